@@ -1,0 +1,287 @@
+"""Configuration: frozen, validated dataclasses loaded from YAML.
+
+``load_config`` is the one way in: it reads a YAML file, a dict or the embedded
+default (``moe_comm/configs/default.yaml``), merges keyword overrides, rejects
+unknown keys and checks every value, naming the key, the value and what is
+allowed. Values that depend on the process group (``num_experts % world_size``)
+are checked by :meth:`Config.check_world` when a ``Dispatcher`` is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass, field, fields
+from importlib import resources
+from typing import Any, Mapping, Optional, Union
+
+import torch
+import yaml
+
+from .errors import ConfigError
+
+__all__ = [
+    "BACKENDS",
+    "DTYPES",
+    "Config",
+    "VmmConfig",
+    "NvshmemConfig",
+    "NcclConfig",
+    "load_config",
+    "default_config_text",
+]
+
+BACKENDS = ("auto", "vmm", "nvshmem", "nccl", "reference")
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def _fail(key: str, value: Any, allowed: str) -> ConfigError:
+    return ConfigError(f"config key '{key}': got {value!r}, expected {allowed}")
+
+
+def _check_choice(key: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise _fail(key, value, "one of " + ", ".join(repr(c) for c in choices))
+
+
+def _check_int(key: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _fail(key, value, f"an integer >= {minimum}")
+    if value < minimum:
+        raise _fail(key, value, f"an integer >= {minimum}")
+
+
+def _check_float(key: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise _fail(key, value, "a positive number of seconds")
+
+
+@dataclass(frozen=True)
+class VmmConfig:
+    """Settings of the ``vmm`` backend (CUDA VMM memory shared between the processes of one host).
+
+    fd_passing: how the POSIX file descriptors of ``cuMemCreate`` allocations reach the peers.
+        ``scm_rights`` sends them over a Unix-domain socket and works for any user;
+        ``pidfd`` uses ``pidfd_getfd``, which needs root or a permissive ptrace scope.
+    """
+
+    fd_passing: str = "scm_rights"
+
+    def __post_init__(self) -> None:
+        _check_choice("vmm.fd_passing", self.fd_passing, ("scm_rights", "pidfd"))
+
+
+@dataclass(frozen=True)
+class NvshmemConfig:
+    """Settings of the ``nvshmem`` backend.
+
+    transport: ``p2p`` moves rows with loads/stores on peer pointers inside the NVLink
+        domain; ``put`` forces device-initiated NVSHMEM puts (the path used across nodes).
+    heap_size_mb: size of the NVSHMEM symmetric heap in MiB; None sizes it from the buffers
+        this configuration needs.
+    """
+
+    transport: str = "p2p"
+    heap_size_mb: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        _check_choice("nvshmem.transport", self.transport, ("p2p", "put"))
+        if self.heap_size_mb is not None:
+            _check_int("nvshmem.heap_size_mb", self.heap_size_mb, 1)
+
+
+@dataclass(frozen=True)
+class NcclConfig:
+    """Settings of the ``nccl`` backend.
+
+    transport: ``collective`` exchanges capacity-sized, padded buffers with
+        ``all_to_all_single`` (works across nodes); ``symmetric`` uses NCCL symmetric
+        memory windows and the device kernels (one NVLink domain).
+    """
+
+    transport: str = "collective"
+
+    def __post_init__(self) -> None:
+        _check_choice("nccl.transport", self.transport, ("collective", "symmetric"))
+
+
+_SECTIONS = {"vmm": VmmConfig, "nvshmem": NvshmemConfig, "nccl": NcclConfig}
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything a ``Dispatcher`` needs to know before it allocates.
+
+    backend: ``vmm`` | ``nvshmem`` | ``nccl`` | ``reference`` | ``auto``. ``auto`` picks
+        ``reference`` on CPU and the best GPU backend the machine supports.
+    num_experts: global number of experts E; expert ``e`` lives on rank
+        ``e // (E // world_size)``, so E must be a multiple of the world size.
+    topk: experts per token K (columns of ``topk_idx``).
+    hidden: width H of every token row.
+    max_tokens_per_rank: upper bound of T (rows of ``x``) in every dispatch call; the
+        receive buffers are sized from it.
+    dtype: ``bfloat16`` | ``float16`` | ``float32``, the dtype of ``x`` and of expert outputs.
+    expert_alignment: every expert segment of the dispatch output starts at a multiple of
+        this many rows (e.g. 16 or 128 for grouped GEMMs).
+    expert_capacity: rows kept per local expert per call; assignments past it are dropped
+        and counted in the device status. None is lossless.
+    num_sms: streaming multiprocessors the communication kernels may occupy.
+    timeout_s: longest wait on another rank before the wait gives up and reports the peer
+        and the phase.
+    check_every_step: read the device status after every call and raise on a fault (a host
+        sync per call; for debugging).
+    vmm, nvshmem, nccl: backend-specific sections (see their classes).
+    """
+
+    backend: str = "auto"
+    num_experts: int = 16
+    topk: int = 4
+    hidden: int = 1024
+    max_tokens_per_rank: int = 256
+    dtype: str = "bfloat16"
+    expert_alignment: int = 16
+    expert_capacity: Optional[int] = None
+    num_sms: int = 24
+    timeout_s: float = 30.0
+    check_every_step: bool = False
+    vmm: VmmConfig = field(default_factory=VmmConfig)
+    nvshmem: NvshmemConfig = field(default_factory=NvshmemConfig)
+    nccl: NcclConfig = field(default_factory=NcclConfig)
+
+    def __post_init__(self) -> None:
+        _check_choice("backend", self.backend, BACKENDS)
+        _check_int("num_experts", self.num_experts, 1)
+        _check_int("topk", self.topk, 1)
+        if self.topk > self.num_experts:
+            raise _fail("topk", self.topk, f"at most num_experts ({self.num_experts})")
+        _check_int("hidden", self.hidden, 1)
+        _check_int("max_tokens_per_rank", self.max_tokens_per_rank, 1)
+        _check_choice("dtype", self.dtype, tuple(DTYPES))
+        row_bytes = self.hidden * DTYPES[self.dtype].itemsize
+        if row_bytes % 16:
+            raise _fail("hidden", self.hidden, f"a width whose rows are a multiple of 16 bytes ({self.dtype} rows of "
+                        f"{row_bytes} bytes are not); rows move as 16-byte vectors")
+        _check_int("expert_alignment", self.expert_alignment, 1)
+        if self.expert_capacity is not None:
+            _check_int("expert_capacity", self.expert_capacity, 1)
+        _check_int("num_sms", self.num_sms, 1)
+        _check_float("timeout_s", self.timeout_s)
+        if not isinstance(self.check_every_step, bool):
+            raise _fail("check_every_step", self.check_every_step, "true or false")
+        for name, cls in _SECTIONS.items():
+            if not isinstance(getattr(self, name), cls):
+                raise _fail(name, getattr(self, name), f"a {cls.__name__}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The torch dtype named by ``dtype``."""
+        return DTYPES[self.dtype]
+
+    def experts_per_rank(self, world_size: int) -> int:
+        """Local experts per rank for ``world_size`` ranks (after :meth:`check_world`)."""
+        return self.num_experts // world_size
+
+    def check_world(self, world_size: int) -> None:
+        """Check the values that depend on the process group; raise ``ConfigError`` if they do not fit."""
+        if self.num_experts % world_size:
+            raise _fail("num_experts", self.num_experts,
+                        f"a multiple of the world size ({world_size}) so every rank holds the same number of experts")
+
+    def capacity_rows(self, world_size: int) -> int:
+        """Rows of the dispatch output ``out.x`` on every rank: room for every kept assignment plus alignment padding.
+
+        Lossless: every source may send ``max_tokens_per_rank`` tokens, each with up to ``topk``
+        assignments to this rank, and each of the local expert segments may add up to
+        ``expert_alignment - 1`` padding rows. With ``expert_capacity`` each local expert keeps at
+        most that many rows, rounded up to the alignment.
+        """
+        local = self.experts_per_rank(world_size)
+        align = self.expert_alignment
+        lossless = world_size * self.max_tokens_per_rank * self.topk + local * (align - 1)
+        if self.expert_capacity is None:
+            return lossless
+        return min(lossless, local * (-(-self.expert_capacity // align) * align))
+
+    def to_dict(self) -> dict:
+        """Plain nested dict of every field (round-trips through :func:`load_config`)."""
+        return dataclasses.asdict(self)
+
+    def fingerprint(self) -> str:
+        """Short hash of every field; ranks compare it to catch mismatched configs at construction."""
+        text = json.dumps(self.to_dict(), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def default_config_text() -> str:
+    """The text of the embedded default configuration (``moe_comm/configs/default.yaml``)."""
+    return resources.files("moe_comm").joinpath("configs/default.yaml").read_text()
+
+
+def _read_source(source: Union[None, str, os.PathLike, Mapping[str, Any]]) -> dict:
+    if source is None:
+        data = yaml.safe_load(default_config_text())
+    elif isinstance(source, Mapping):
+        data = dict(source)
+    elif isinstance(source, (str, os.PathLike)):
+        try:
+            with open(source, encoding="utf-8") as handle:
+                data = yaml.safe_load(handle)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {os.fspath(source)!r} does not exist") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {os.fspath(source)!r} is not valid YAML: {exc}") from None
+        if data is None:
+            data = {}
+    else:
+        raise ConfigError(f"load_config source: got {type(source).__name__}, expected a YAML path, a dict or None")
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"config: got a top-level {type(data).__name__}, expected a mapping of keys to values")
+    return data
+
+
+def _build(cls: type, data: Mapping[str, Any], prefix: str):
+    known = {f.name: f for f in fields(cls)}
+    for key in data:
+        if key not in known:
+            raise ConfigError(f"config key '{prefix}{key}' is unknown; known keys: {', '.join(sorted(known))}")
+    values = {}
+    for key, value in data.items():
+        section = _SECTIONS.get(key) if cls is Config else None
+        if section is not None:
+            if isinstance(value, section):
+                values[key] = value
+                continue
+            if value is None:
+                value = {}
+            if not isinstance(value, Mapping):
+                raise _fail(prefix + key, value, "a mapping of that section's keys")
+            values[key] = _build(section, value, f"{prefix}{key}.")
+        else:
+            values[key] = value
+    return cls(**values)
+
+
+def load_config(source: Union[None, str, os.PathLike, Mapping[str, Any]] = None, **overrides: Any) -> Config:
+    """Load and validate a configuration.
+
+    Args:
+        source: a YAML file path, a dict of keys, or None for the embedded default.
+        **overrides: keys that replace the source's values; a backend section may be given
+            as a dict (``nccl={"transport": "symmetric"}``) and is merged key by key.
+
+    Returns:
+        A frozen :class:`Config`.
+
+    Raises:
+        ConfigError: an unknown key, a wrong type or an impossible value, naming the key.
+    """
+    data = _read_source(source)
+    for key, value in overrides.items():
+        if key in _SECTIONS and isinstance(value, Mapping) and isinstance(data.get(key), Mapping):
+            data[key] = {**data[key], **value}
+        else:
+            data[key] = value
+    return _build(Config, data, "")
