@@ -1,0 +1,34 @@
+"""moe_comm: graph-capturable dispatch/combine of tokens between GPUs for expert-parallel MoE layers.
+
+The names users need live here; everything else is in the submodules.
+"""
+
+from .config import Config, load_config
+from .dispatcher import Dispatcher, DispatchHandle, DispatchOutput, StatusReport
+from .errors import (
+    BackendError,
+    CommTimeoutError,
+    CompileError,
+    ConfigError,
+    DeviceStatusError,
+    InputError,
+    MoeCommError,
+)
+
+__all__ = [
+    "Config",
+    "load_config",
+    "Dispatcher",
+    "DispatchHandle",
+    "DispatchOutput",
+    "StatusReport",
+    "MoeCommError",
+    "ConfigError",
+    "InputError",
+    "BackendError",
+    "CompileError",
+    "CommTimeoutError",
+    "DeviceStatusError",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,76 @@
+"""Autograd for dispatch and combine, written once over the ``Backend`` primitives.
+
+* dispatch backward: the gradient of every expert-major row goes back to its token and is
+  summed there: an unweighted combine.
+* combine backward: ``dz[t]`` is sent along the same routing (``redispatch``); on the
+  destination ``grad_y[row] = w * dz`` and ``grad_w[t, k] = <dz[t], y[row]>``, and the latter
+  is returned to the source (``return_entry_values``).
+
+Every rank must run the same backward calls in the same order (they are collective), so
+the backward functions always make all their exchanges, whichever inputs need gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import layout
+from .backends.base import Backend, DispatchResult
+
+__all__ = ["dispatch_with_grad", "combine_with_grad"]
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, backend: Backend, topk_idx, topk_weights, results: list):
+        result = backend.dispatch(x, topk_idx, topk_weights)
+        results.append(result)
+        ctx.backend = backend
+        ctx.routing = result.routing
+        ctx.mark_non_differentiable(result.expert_offsets, result.tokens_per_expert)
+        return result.x, result.expert_offsets, result.tokens_per_expert
+
+    @staticmethod
+    def backward(ctx, grad_rows, _grad_offsets, _grad_counts):
+        grad_x = ctx.backend.combine(grad_rows.contiguous(), ctx.routing, weighted=False)
+        return grad_x, None, None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, topk_weights, backend: Backend, routing: layout.Routing):
+        ctx.backend = backend
+        ctx.routing = routing
+        ctx.save_for_backward(y)
+        return backend.combine(y, routing, weighted=True)
+
+    @staticmethod
+    def backward(ctx, grad_z):
+        (y,) = ctx.saved_tensors
+        routing = ctx.routing
+        spread = ctx.backend.redispatch(grad_z.contiguous(), routing).float()
+        rows = y.shape[0]
+        row_weight = layout.row_values(routing.recv_pos, routing.recv_weight, rows)
+        row_used = layout.row_values(routing.recv_pos, torch.ones_like(routing.recv_weight), rows) > 0
+        # Rows no entry maps to (padding, and rows past the last segment) get an exact zero,
+        # so whatever they held cannot leak a NaN into the experts' weight gradients.
+        grad_y = torch.where(row_used[:, None], spread * row_weight[:, None], torch.zeros_like(spread)).to(y.dtype)
+        row_dot = torch.where(row_used, (spread * y.float()).sum(dim=1), torch.zeros_like(row_weight))
+        grad_weights = ctx.backend.return_entry_values(row_dot, routing)
+        return grad_y, grad_weights, None, None
+
+
+def dispatch_with_grad(
+    backend: Backend, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
+) -> DispatchResult:
+    """``backend.dispatch`` recorded on the autograd tape: ``out.x`` is differentiable w.r.t. ``x``."""
+    results: list[DispatchResult] = []
+    rows, offsets, counts = _Dispatch.apply(x, backend, topk_idx, topk_weights, results)
+    return DispatchResult(rows, offsets, counts, results[0].routing)
+
+
+def combine_with_grad(
+    backend: Backend, y: torch.Tensor, topk_weights: torch.Tensor, routing: layout.Routing
+) -> torch.Tensor:
+    """``backend.combine`` recorded on the autograd tape: differentiable w.r.t. ``y`` and ``topk_weights``."""
+    return _Combine.apply(y, topk_weights, backend, routing)

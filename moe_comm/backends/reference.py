@@ -1,0 +1,80 @@
+"""The ``reference`` backend: the routing math of ``moe_comm.layout`` with ``all_to_all_single``.
+
+Every exchange moves fixed ``[W, M, ...]`` slabs (one per peer, ``M = max_tokens_per_rank``
+rows), so shapes never depend on the routing. It runs on CPU tensors over gloo and is the
+yardstick every other backend is compared with.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .. import layout
+from ..config import Config
+from .base import Backend, DispatchResult
+
+__all__ = ["ReferenceBackend"]
+
+
+class ReferenceBackend(Backend):
+    """Dispatch/combine with ``torch.distributed.all_to_all_single`` on padded slabs.
+
+    Args:
+        config: the validated config. group: the process group (gloo for CPU tensors).
+        device: where the tensors live (``cpu`` with gloo).
+    """
+
+    name = "reference"
+
+    def __init__(self, config: Config, group, device: torch.device) -> None:
+        self.config = config
+        self.group = group
+        self.device = device
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.num_local_experts = config.experts_per_rank(self.world_size)
+        self.capacity_rows = config.capacity_rows(self.world_size)
+        self.status = layout.new_status(device)
+
+    def _exchange(self, slabs: torch.Tensor) -> torch.Tensor:
+        """Send slab ``r`` of ``slabs [W, ...]`` to rank ``r``; slab ``s`` of the result came from rank ``s``."""
+        received = torch.empty_like(slabs)
+        dist.all_to_all_single(received, slabs.contiguous(), group=self.group)
+        return received
+
+    def _send_tokens(self, rows: torch.Tensor, send_mask: torch.Tensor) -> torch.Tensor:
+        return self._exchange(layout.gather_send_rows(rows, send_mask, self.config.max_tokens_per_rank))
+
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> DispatchResult:
+        cfg = self.config
+        send_mask, dest_rank, slab_expert = layout.plan_source(
+            topk_idx, cfg.num_experts, self.world_size, self.rank, self.status
+        )
+        num_tokens = x.shape[0]
+        expert_slabs = torch.full(
+            (self.world_size, cfg.max_tokens_per_rank, cfg.topk), -1, dtype=torch.int32, device=x.device
+        )
+        expert_slabs[:, :num_tokens] = slab_expert
+        recv_expert = self._exchange(expert_slabs)
+        recv_weight = self._send_tokens(topk_weights, send_mask)
+        recv_rows = self._send_tokens(x, send_mask)
+        plan = layout.plan_destination(
+            recv_expert, self.num_local_experts, cfg.expert_alignment, cfg.expert_capacity, self.status
+        )
+        routing = layout.Routing(num_tokens, send_mask, dest_rank, plan.recv_pos, recv_weight)
+        out_x = layout.expand_rows(recv_rows, plan.recv_pos, self.capacity_rows)
+        return DispatchResult(out_x, plan.expert_offsets, plan.tokens_per_expert, routing)
+
+    def redispatch(self, x: torch.Tensor, routing: layout.Routing) -> torch.Tensor:
+        recv_rows = self._send_tokens(x, routing.send_mask)
+        return layout.expand_rows(recv_rows, routing.recv_pos, self.capacity_rows)
+
+    def combine(self, y: torch.Tensor, routing: layout.Routing, weighted: bool = True) -> torch.Tensor:
+        weights = routing.recv_weight if weighted else None
+        partials = layout.reduce_partials(y, routing.recv_pos, weights)
+        return layout.sum_returned(self._exchange(partials), routing.send_mask)
+
+    def return_entry_values(self, row_vector: torch.Tensor, routing: layout.Routing) -> torch.Tensor:
+        entry_values = layout.scatter_entry_values(row_vector, routing.recv_pos)
+        return layout.gather_entry_values(self._exchange(entry_values), routing.dest_rank)

@@ -1,0 +1,283 @@
+"""``Dispatcher``: the public entry point that owns a backend, validates every call and wires autograd."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from . import layout
+from .autograd import combine_with_grad, dispatch_with_grad
+from .backends import create_backend, resolve_backend_name
+from .config import Config
+from .errors import ConfigError, DeviceStatusError, InputError, MoeCommError
+
+__all__ = ["Dispatcher", "DispatchOutput", "DispatchHandle", "StatusReport"]
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_dispatcher_ids = itertools.count()
+
+
+@dataclass(frozen=True)
+class DispatchHandle:
+    """What ``combine`` needs from its ``dispatch``: the routing, and the weights for autograd.
+
+    A handle holds its own routing tensors, so it stays valid after later dispatch calls (a
+    backward pass may combine several steps back).
+    """
+
+    dispatcher_id: int
+    routing: layout.Routing
+    topk_weights: torch.Tensor
+
+
+@dataclass(frozen=True)
+class DispatchOutput:
+    """The result of :meth:`Dispatcher.dispatch` (tensors on the dispatcher's device).
+
+    x: ``[capacity_rows, H]`` rows grouped by local expert; expert ``j`` owns rows
+        ``[expert_offsets[j-1], expert_offsets[j])`` (from 0 for ``j = 0``): its
+        ``tokens_per_expert[j]`` received rows first (by source rank, then token), then zero
+        padding up to the alignment. Rows at or past ``expert_offsets[-1]`` are unspecified.
+    expert_offsets: ``[L]`` int32 cumulative end offsets (the ``offs`` of ``torch._grouped_mm``).
+    tokens_per_expert: ``[L]`` int32 valid rows per local expert.
+    handle: pass to :meth:`Dispatcher.combine`.
+    """
+
+    x: torch.Tensor
+    expert_offsets: torch.Tensor
+    tokens_per_expert: torch.Tensor
+    handle: DispatchHandle
+
+
+@dataclass(frozen=True)
+class StatusReport:
+    """The device status word read on the host.
+
+    num_invalid: assignments with an expert id outside ``[0, num_experts)`` other than -1.
+    first_invalid: ``(source rank, token)`` of the first one, or None.
+    num_dropped: assignments dropped because their expert was over ``expert_capacity``.
+    first_dropped: ``(source rank, token)`` of the first one, or None.
+    timeout_phase: name of the first wait that timed out, or None. timeout_peer: its peer.
+    """
+
+    num_invalid: int
+    first_invalid: Optional[tuple[int, int]]
+    num_dropped: int
+    first_dropped: Optional[tuple[int, int]]
+    timeout_phase: Optional[str]
+    timeout_peer: Optional[int]
+
+    @property
+    def ok(self) -> bool:
+        """True when nothing was recorded."""
+        return not (self.num_invalid or self.num_dropped or self.timeout_phase)
+
+
+TIMEOUT_PHASES = {
+    1: "dispatch: waiting for a peer to free its receive slab",
+    2: "dispatch: waiting for a peer's tokens",
+    3: "combine: waiting for a peer to free its return slab",
+    4: "combine: waiting for a peer's partial sums",
+}
+
+
+def _offender(key: int) -> Optional[tuple[int, int]]:
+    return None if key == layout.NO_OFFENDER else (key >> 32, key & 0xFFFFFFFF)
+
+
+def _describe(name: str, tensor: torch.Tensor) -> str:
+    return f"{name} of shape {tuple(tensor.shape)}, dtype {tensor.dtype}, on {tensor.device}"
+
+
+def _check_tensor(name: str, tensor, shape: tuple, dtypes: tuple, device: torch.device, dtype_text: str) -> None:
+    """Raise ``InputError`` unless ``tensor`` has ``shape`` (None = any size), a dtype in ``dtypes``, and lives on ``device``."""
+    if not isinstance(tensor, torch.Tensor):
+        raise InputError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dim() != len(shape) or any(want is not None and got != want for got, want in zip(tensor.shape, shape)):
+        wanted = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise InputError(f"{name}: expected shape {wanted}, got {tuple(tensor.shape)}")
+    if tensor.dtype not in dtypes:
+        raise InputError(f"{name}: expected dtype {dtype_text}, got {tensor.dtype}")
+    if tensor.device != device:
+        raise InputError(f"{name}: expected a tensor on {device}, got one on {tensor.device}")
+    if not tensor.is_contiguous():
+        raise InputError(f"{name}: expected a contiguous tensor, got strides {tensor.stride()} (call .contiguous())")
+
+
+class Dispatcher:
+    """Dispatch tokens to the ranks of their experts and combine the expert outputs back.
+
+    Collective: every rank of ``group`` builds its ``Dispatcher`` with the same config, in the
+    same order; the constructor allocates, rendezvous and compiles kernels, so the per-step
+    calls only launch work (and can be captured in a CUDA graph).
+
+    Args:
+        config: a :class:`moe_comm.Config` (see :func:`moe_comm.load_config`).
+        group: the process group of the expert-parallel ranks; None is the default group.
+            The ``reference`` backend needs a gloo group; GPU backends use the group for setup.
+
+    Raises:
+        ConfigError: the config does not fit the group, or the ranks' configs differ.
+        BackendError: the backend cannot run on this machine (the message says why).
+    """
+
+    def __init__(self, config: Config, group: Optional[dist.ProcessGroup] = None) -> None:
+        if not isinstance(config, Config):
+            raise ConfigError(f"Dispatcher config: expected a moe_comm.Config, got {type(config).__name__}")
+        if not dist.is_initialized():
+            raise ConfigError("Dispatcher needs torch.distributed: call torch.distributed.init_process_group first")
+        self.config = config
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        config.check_world(self.world_size)
+        self._check_same_config()
+        cuda_wanted = config.backend not in ("reference",) and torch.cuda.is_available()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda_wanted else torch.device("cpu")
+        self.backend_name = resolve_backend_name(config, self.device)
+        self.num_local_experts = config.experts_per_rank(self.world_size)
+        self.capacity_rows = config.capacity_rows(self.world_size)
+        self._id = next(_dispatcher_ids)
+        self._backend = create_backend(self.backend_name, config, group, self.device)
+        self._closed = False
+
+    def _check_same_config(self) -> None:
+        fingerprints: list = [None] * self.world_size
+        dist.all_gather_object(fingerprints, self.config.fingerprint(), group=self.group)
+        if len(set(fingerprints)) > 1:
+            mine = self.config.fingerprint()
+            others = [r for r, f in enumerate(fingerprints) if f != mine]
+            raise ConfigError(
+                f"Dispatcher config differs between ranks: rank {self.rank} has fingerprint {mine}, "
+                f"ranks {others} have another; every rank must build its Dispatcher from the same config"
+            )
+
+    def _live_backend(self):
+        if self._closed:
+            raise MoeCommError("this Dispatcher is closed; build a new one")
+        return self._backend
+
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> DispatchOutput:
+        """Send every token to the ranks holding its experts and lay the rows out expert-major.
+
+        Args:
+            x: ``[T, H]`` tokens, ``T <= max_tokens_per_rank``, the config dtype, contiguous, on ``self.device``.
+            topk_idx: ``[T, K]`` int32/int64 global expert ids in ``[0, num_experts)``, or -1 for none.
+                Other values are dropped and recorded in the device status (see :meth:`check`).
+            topk_weights: ``[T, K]`` float32 router weights (used by :meth:`combine`).
+
+        Returns:
+            A :class:`DispatchOutput`; differentiable with respect to ``x``.
+        """
+        backend = self._live_backend()
+        cfg = self.config
+        _check_tensor("x", x, (None, cfg.hidden), (cfg.torch_dtype,), self.device, cfg.dtype)
+        num_tokens = x.shape[0]
+        if num_tokens > cfg.max_tokens_per_rank:
+            raise InputError(
+                f"x: expected at most max_tokens_per_rank={cfg.max_tokens_per_rank} rows, got {num_tokens}"
+            )
+        _check_tensor("topk_idx", topk_idx, (num_tokens, cfg.topk), _INDEX_DTYPES, self.device, "int32 or int64")
+        _check_tensor("topk_weights", topk_weights, (num_tokens, cfg.topk), (torch.float32,), self.device, "float32")
+        if torch.is_grad_enabled() and x.requires_grad:
+            result = dispatch_with_grad(backend, x, topk_idx, topk_weights)
+        else:
+            result = backend.dispatch(x, topk_idx, topk_weights)
+        handle = DispatchHandle(self._id, result.routing, topk_weights)
+        if cfg.check_every_step:
+            self.check()
+        return DispatchOutput(result.x, result.expert_offsets, result.tokens_per_expert, handle)
+
+    def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """Bring expert outputs back to their tokens and sum them with the router weights.
+
+        Args:
+            y: ``[capacity_rows, H]`` expert outputs in ``out.x``'s layout, config dtype, contiguous.
+            handle: ``out.handle`` of a dispatch call of this dispatcher.
+
+        Returns:
+            ``[T, H]`` with ``z[t] = sum_k topk_weights[t, k] * y[row of (t, k)]`` (zeros for a
+            token with no valid expert); differentiable with respect to ``y`` and ``topk_weights``.
+        """
+        backend = self._live_backend()
+        cfg = self.config
+        if not isinstance(handle, DispatchHandle):
+            raise InputError(f"handle: expected the DispatchHandle of a dispatch call, got {type(handle).__name__}")
+        if handle.dispatcher_id != self._id:
+            raise InputError("handle: it comes from another Dispatcher; combine with the dispatcher that dispatched")
+        _check_tensor("y", y, (self.capacity_rows, cfg.hidden), (cfg.torch_dtype,), self.device, cfg.dtype)
+        weights = handle.topk_weights
+        if torch.is_grad_enabled() and (y.requires_grad or weights.requires_grad):
+            z = combine_with_grad(backend, y, weights, handle.routing)
+        else:
+            z = backend.combine(y, handle.routing, weighted=True)
+        if cfg.check_every_step:
+            self.check()
+        return z
+
+    def read_status(self) -> StatusReport:
+        """Read the device status word (a host sync; keep it off the hot path). Does not clear it."""
+        values = self._live_backend().status.tolist()
+        phase = values[layout.STATUS_TIMEOUT_PHASE]
+        return StatusReport(
+            num_invalid=values[layout.STATUS_NUM_INVALID],
+            first_invalid=_offender(values[layout.STATUS_FIRST_INVALID]),
+            num_dropped=values[layout.STATUS_NUM_DROPPED],
+            first_dropped=_offender(values[layout.STATUS_FIRST_DROPPED]),
+            timeout_phase=TIMEOUT_PHASES.get(phase, f"phase {phase}") if phase else None,
+            timeout_peer=values[layout.STATUS_TIMEOUT_PEER] if phase else None,
+        )
+
+    def check(self) -> None:
+        """Raise :class:`DeviceStatusError` if any call since the last check recorded a fault; then clear the status.
+
+        Faults: expert ids outside ``[0, num_experts)`` other than -1, assignments dropped over
+        ``expert_capacity``, and waits on a peer that ran past ``timeout_s``. A host sync.
+        """
+        report = self.read_status()
+        if report.ok:
+            return
+        self._live_backend().status.copy_(layout.new_status(self.device))
+        problems = []
+        if report.timeout_phase:
+            problems.append(
+                f"rank {self.rank} timed out after {self.config.timeout_s} s in {report.timeout_phase} "
+                f"(peer rank {report.timeout_peer}); results of that step are invalid"
+            )
+        if report.num_invalid:
+            rank, token = report.first_invalid
+            problems.append(
+                f"{report.num_invalid} expert id(s) outside [0, {self.config.num_experts}) and not -1 "
+                f"(first: rank {rank}, token {token}); those assignments were dropped"
+            )
+        if report.num_dropped:
+            rank, token = report.first_dropped
+            problems.append(
+                f"{report.num_dropped} assignment(s) dropped over expert_capacity={self.config.expert_capacity} "
+                f"on rank {self.rank} (first: from rank {rank}, token {token})"
+            )
+        raise DeviceStatusError("; ".join(problems))
+
+    def close(self) -> None:
+        """Release every buffer and mapping; idempotent. The dispatcher cannot be used afterwards."""
+        if not self._closed:
+            self._closed = True
+            self._backend.close()
+
+    def __enter__(self) -> "Dispatcher":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        cfg = self.config
+        return (
+            f"Dispatcher(backend={self.backend_name!r}, rank={self.rank}/{self.world_size}, device={self.device}, "
+            f"experts={cfg.num_experts} (local {self.num_local_experts}), topk={cfg.topk}, hidden={cfg.hidden}, "
+            f"max_tokens_per_rank={cfg.max_tokens_per_rank}, dtype={cfg.dtype})"
+        )

@@ -1,0 +1,285 @@
+"""Run a function on N local ranks, one process each, and collect what every rank returned.
+
+``run_ranks`` is the one way moe_comm starts several processes: ``moe-comm run`` uses it, and
+the test suite's harness (``tests/multirank.py``) is a thin wrapper over it. It cannot hang:
+
+* the rendezvous store is bound by the parent on a free port (port 0), so there is no race for
+  a port between picking it and using it, and no fixed port collides with another run;
+* every child gets the environment that keeps NVLink multicast off (``MULTICAST_OFF_ENV``),
+  which the GPU machines require, plus the caller's variables;
+* a rank that raises reports its traceback; a rank that crashes is reported with its exit code;
+* after ``timeout_s`` (or ``failure_grace_s`` after the first failure, since the other ranks
+  are then usually blocked in a collective with the failed one) the survivors' Python stacks are
+  dumped (``faulthandler`` on SIGUSR1), they are killed and reaped, and the error names them;
+* every child destroys its process group, and every child is joined: no zombies.
+
+Processes start with the ``spawn`` method (CUDA cannot be used after ``fork``), so ``fn`` must be
+a module-level function and its arguments and return value must be picklable.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import multiprocessing
+import os
+import pickle
+import signal
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional
+
+from .errors import MoeCommError
+
+__all__ = ["MULTICAST_OFF_ENV", "RankFailureError", "run_ranks"]
+
+# NVLink multicast can take a shared host's GPUs out of service (PLATFORM.md): every rank
+# process keeps NCCL, torch's symmetric memory and NVSHMEM off it. The launcher owns these
+# processes, so it sets the variables there and never in the caller's own environment.
+MULTICAST_OFF_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+
+# Seconds a killed rank gets to write its stack dump before SIGKILL.
+_STACK_DUMP_WAIT_S = 0.5
+
+
+class RankFailureError(MoeCommError, RuntimeError):
+    """One or more ranks raised, crashed or hung; the message holds every rank's report.
+
+    Attributes:
+        failures: rank -> report text (traceback, exit code or stack dump), for every failed rank.
+        hung: the ranks that were still running at the deadline and were killed.
+    """
+
+    def __init__(self, message: str, failures: dict[int, str], hung: list[int]):
+        super().__init__(message)
+        self.failures = failures
+        self.hung = hung
+
+
+def _child(
+    rank: int,
+    world_size: int,
+    payload: bytes,
+    store_port: int,
+    options: dict,
+    writer: Connection,
+) -> None:
+    """Body of one rank process: join the group, run ``fn``, send ``("ok", bytes)`` or ``("error", text)``."""
+    os.environ.update(options["env"])
+    stack_file = open(Path(options["stack_dir"]) / f"rank{rank}.txt", "w")
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    dist = None
+    try:
+        fn, args = pickle.loads(payload)
+        import torch
+        import torch.distributed as dist
+
+        if "OMP_NUM_THREADS" not in os.environ:
+            # N ranks share the host's cores; torch's default (all cores per process)
+            # oversubscribes them and makes CPU runs several times slower.
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        timeout = timedelta(seconds=options["timeout_s"])
+        store = dist.TCPStore("127.0.0.1", store_port, world_size, is_master=False, timeout=timeout)
+        kwargs = {}
+        if options["gpu"]:
+            device = torch.device("cuda", rank % torch.cuda.device_count())
+            torch.cuda.set_device(device)
+            if "nccl" in options["dist_backend"]:
+                kwargs["device_id"] = device
+        dist.init_process_group(
+            options["dist_backend"], store=store, rank=rank, world_size=world_size, timeout=timeout, **kwargs
+        )
+        delay = options["delay_rank"]
+        if delay is not None and delay[0] == rank:
+            time.sleep(delay[1])
+        value = fn(rank, world_size, *args)
+        try:
+            message = ("ok", pickle.dumps(value))
+        except Exception:
+            message = ("error", f"rank {rank}'s return value could not be pickled:\n{traceback.format_exc()}")
+    except BaseException:
+        message = ("error", traceback.format_exc())
+    # Report before tearing down: a teardown that hangs must not lose the traceback.
+    writer.send(message)
+    writer.close()
+    if dist is not None and dist.is_initialized():
+        dist.destroy_process_group()
+    faulthandler.unregister(signal.SIGUSR1)
+    stack_file.close()
+
+
+def _stacks(stack_dir: str, rank: int) -> str:
+    path = Path(stack_dir) / f"rank{rank}.txt"
+    text = path.read_text(errors="replace").strip() if path.exists() else ""
+    return text or "(no stack dump: the process did not answer SIGUSR1)"
+
+
+def _kill(process, stack_dir: str, rank: int) -> str:
+    """Dump the stacks of a live rank, kill it and reap it; returns the dump."""
+    try:
+        os.kill(process.pid, signal.SIGUSR1)
+        time.sleep(_STACK_DUMP_WAIT_S)
+    except ProcessLookupError:
+        pass
+    process.kill()
+    process.join()
+    return _stacks(stack_dir, rank)
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    dist_backend: str = "gloo",
+    timeout_s: float = 120.0,
+    gpu: bool = False,
+    delay_rank: Optional[tuple[int, float]] = None,
+    env: Optional[Mapping[str, str]] = None,
+    failure_grace_s: float = 10.0,
+) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` new processes joined in a process group.
+
+    Args:
+        fn: a module-level function (it is pickled by name); its return value must be picklable.
+        world_size: number of ranks, >= 1.
+        *args: picklable arguments passed to every rank after ``rank, world_size``.
+        dist_backend: ``torch.distributed`` backend string, e.g. ``"gloo"``, ``"nccl"`` or
+            ``"cpu:gloo,cuda:nccl"``; with ``nccl`` in it each rank passes its device as ``device_id``.
+        timeout_s: deadline for the whole run (start-up included) and the process group's timeout.
+        gpu: give rank ``r`` the device ``cuda:(r % device_count)`` before the group starts.
+        delay_rank: ``(rank, seconds)``: that rank sleeps after joining the group and before ``fn``,
+            to shake out races that depend on who arrives first.
+        env: extra environment variables for every rank (on top of ``MULTICAST_OFF_ENV``).
+        failure_grace_s: once a rank has failed, how long the others get to finish before they
+            are killed (they usually wait in a collective with the failed rank).
+
+    Returns:
+        The ranks' return values, in rank order.
+
+    Raises:
+        RankFailureError: a rank raised, crashed, or was still running at the deadline; the message
+            lists every failed rank's traceback (or exit code, or stacks at the kill).
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"run_ranks world_size: got {world_size!r}, expected an integer >= 1")
+    if delay_rank is not None and not (0 <= delay_rank[0] < world_size):
+        raise ValueError(f"run_ranks delay_rank: got rank {delay_rank[0]}, expected one in [0, {world_size})")
+    try:
+        payload = pickle.dumps((fn, args))
+    except Exception as exc:
+        raise TypeError(
+            f"run_ranks fn and args must be picklable (fn a module-level function), got {fn!r}: {exc}"
+        ) from None
+
+    import torch.distributed as dist
+
+    # The parent hosts the rendezvous store: binding port 0 here gives a free port with no race.
+    store = dist.TCPStore(
+        "127.0.0.1", 0, world_size, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+    )
+    stack_dir = tempfile.mkdtemp(prefix="moe_comm_ranks_")
+    child_env = {**MULTICAST_OFF_ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), **(env or {})}
+    options = {
+        "env": child_env,
+        "stack_dir": stack_dir,
+        "timeout_s": timeout_s,
+        "gpu": gpu,
+        "dist_backend": dist_backend,
+        "delay_rank": delay_rank,
+    }
+    context = multiprocessing.get_context("spawn")
+    processes, readers = [], []
+    failures: dict[int, str] = {}
+    hung: list[int] = []
+    results: dict[int, Any] = {}
+    try:
+        start = time.monotonic()
+        for rank in range(world_size):
+            reader, writer = context.Pipe(duplex=False)
+            process = context.Process(
+                target=_child,
+                args=(rank, world_size, payload, store.port, options, writer),
+                name=f"moe_comm-rank{rank}",
+            )
+            process.start()
+            writer.close()  # the child holds the write end; EOF here means it is gone
+            processes.append(process)
+            readers.append(reader)
+
+        deadline = start + timeout_s
+        first_failure: Optional[float] = None
+        pending = set(range(world_size))
+        while pending:
+            limit = deadline if first_failure is None else min(deadline, first_failure + failure_grace_s)
+            remaining = limit - time.monotonic()
+            if remaining <= 0:
+                break
+            for reader in wait([readers[r] for r in pending], timeout=remaining):
+                rank = readers.index(reader)
+                pending.discard(rank)
+                try:
+                    kind, data = reader.recv()
+                except EOFError:
+                    processes[rank].join(5.0)
+                    kind, data = "error", (
+                        f"the process exited with code {processes[rank].exitcode} without reporting a result "
+                        "(killed by a signal if negative)"
+                    )
+                if kind == "ok":
+                    results[rank] = pickle.loads(data)
+                else:
+                    failures[rank] = data
+                    first_failure = first_failure if first_failure is not None else time.monotonic()
+
+        for rank in sorted(pending):
+            waited = time.monotonic() - start
+            if first_failure is not None and waited < timeout_s:
+                reason = (
+                    f"still running {failure_grace_s:.1f} s after rank {min(failures)} failed "
+                    "(probably waiting on it); killed"
+                )
+            else:
+                reason = f"did not finish within the timeout of {timeout_s:.1f} s (hung); killed"
+            hung.append(rank)
+            stacks = _kill(processes[rank], stack_dir, rank)
+            failures[rank] = f"{reason}. Its Python stacks before the kill:\n{stacks}"
+
+        # Ranks that reported still have to tear down; one that cannot is a bug worth reporting.
+        teardown_deadline = max(deadline, time.monotonic() + 5.0)
+        for rank, process in enumerate(processes):
+            if rank in hung:
+                continue
+            process.join(max(0.0, teardown_deadline - time.monotonic()))
+            if process.is_alive():
+                hung.append(rank)
+                stacks = _kill(process, stack_dir, rank)
+                failures.setdefault(rank, "")
+                failures[rank] += f"\nreturned but did not exit (hung in teardown); killed. Its stacks:\n{stacks}"
+            elif process.exitcode != 0 and rank not in failures:
+                failures[rank] = f"returned but exited with code {process.exitcode}"
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+            process.join()
+            process.close()
+        for reader in readers:
+            reader.close()
+        for path in Path(stack_dir).glob("*"):
+            path.unlink()
+        os.rmdir(stack_dir)
+        del store
+
+    if failures:
+        lines = [f"{len(failures)} of {world_size} ranks failed (fn={getattr(fn, '__qualname__', fn)}):"]
+        for rank in sorted(failures):
+            lines.append(f"--- rank {rank} ---\n{failures[rank].rstrip()}")
+        raise RankFailureError("\n".join(lines), failures, sorted(hung))
+    return [results[rank] for rank in range(world_size)]
