@@ -108,7 +108,9 @@ def new_status(device: torch.device) -> torch.Tensor:
 def _record(status: torch.Tensor, count_field: int, first_field: int, mask: torch.Tensor, keys: torch.Tensor) -> None:
     """Add ``mask.sum()`` to ``status[count_field]`` and lower ``status[first_field]`` to the smallest masked key."""
     status[count_field : count_field + 1].add_(mask.sum().reshape(1))
-    smallest = torch.where(mask, keys, torch.full_like(keys, NO_OFFENDER)).min().reshape(1)
+    # The extra NO_OFFENDER element keeps the reduction defined when there are no entries (T = 0).
+    candidates = torch.where(mask, keys, torch.full_like(keys, NO_OFFENDER)).reshape(-1)
+    smallest = torch.cat([candidates, candidates.new_full((1,), NO_OFFENDER)]).min().reshape(1)
     torch.minimum(status[first_field : first_field + 1], smallest, out=status[first_field : first_field + 1])
 
 

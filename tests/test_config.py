@@ -1,0 +1,104 @@
+"""Config contract: the embedded default, YAML/dict/override loading, and errors that name the key."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import moe_comm
+from moe_comm.config import Config, NcclConfig, default_config_text, load_config
+from moe_comm.errors import ConfigError
+
+
+def test_embedded_default_matches_dataclass_defaults():
+    # The YAML shipped in the package and the dataclass defaults must not drift apart.
+    assert load_config() == Config()
+    assert "backend:" in default_config_text()
+
+
+def test_yaml_file_dict_and_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("backend: reference\nnum_experts: 8\ntopk: 2\nnccl:\n  transport: symmetric\n")
+    cfg = load_config(path, hidden=64)
+    assert (cfg.backend, cfg.num_experts, cfg.topk, cfg.hidden) == ("reference", 8, 2, 64)
+    assert cfg.nccl == NcclConfig(transport="symmetric")
+    assert load_config(str(path)) == load_config({**cfg.to_dict(), "hidden": Config().hidden})
+    # A section override merges key by key with the source's section.
+    merged = load_config({"nvshmem": {"heap_size_mb": 512}}, nvshmem={"transport": "put"})
+    assert (merged.nvshmem.transport, merged.nvshmem.heap_size_mb) == ("put", 512)
+    assert cfg.torch_dtype is torch.bfloat16
+    assert load_config(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize(
+    "overrides, fragment",
+    [
+        ({"num_expert": 8}, "'num_expert' is unknown"),
+        ({"nccl": {"transprt": "collective"}}, "'nccl.transprt' is unknown"),
+        ({"num_experts": "8"}, "'num_experts': got '8'"),
+        ({"num_experts": 0}, "'num_experts': got 0"),
+        ({"topk": 0}, "'topk'"),
+        ({"topk": 20, "num_experts": 16}, "at most num_experts"),
+        ({"hidden": True}, "'hidden'"),
+        ({"hidden": 12, "dtype": "bfloat16"}, "multiple of 16 bytes"),
+        ({"dtype": "int8"}, "'dtype': got 'int8'"),
+        ({"backend": "mpi"}, "'backend': got 'mpi'"),
+        ({"expert_capacity": 0}, "'expert_capacity'"),
+        ({"expert_alignment": 0}, "'expert_alignment'"),
+        ({"timeout_s": -1}, "'timeout_s'"),
+        ({"timeout_s": float("nan")}, "'timeout_s'"),
+        ({"check_every_step": "yes"}, "'check_every_step'"),
+        ({"vmm": {"fd_passing": "magic"}}, "'vmm.fd_passing'"),
+        ({"nvshmem": {"transport": "ib"}}, "'nvshmem.transport'"),
+        ({"nvshmem": {"heap_size_mb": 0}}, "'nvshmem.heap_size_mb'"),
+        ({"nccl": "collective"}, "'nccl': got 'collective'"),
+    ],
+)
+def test_bad_values_name_the_key(overrides, fragment):
+    # One case per validation rule: each must raise ConfigError (also a ValueError) naming the key.
+    with pytest.raises(ConfigError) as info:
+        load_config(None, **overrides)
+    assert fragment in str(info.value)
+    assert isinstance(info.value, ValueError)
+
+
+def test_bad_sources(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("backend: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(broken)
+    listing = tmp_path / "list.yaml"
+    listing.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="top-level list"):
+        load_config(listing)
+    with pytest.raises(ConfigError, match="expected a YAML path, a dict or None"):
+        load_config(42)
+
+
+def test_world_dependent_values():
+    cfg = load_config(None, num_experts=12, topk=2, max_tokens_per_rank=10, expert_alignment=4)
+    cfg.check_world(3)
+    with pytest.raises(ConfigError, match="multiple of the world size"):
+        cfg.check_world(8)
+    # Lossless: 2 sources x 10 tokens x topk 2 entries, plus up to 3 padding rows for each of 6 experts.
+    assert cfg.capacity_rows(2) == 2 * 10 * 2 + 6 * 3
+    # Capacity 5 rounds up to 8 rows per expert.
+    capped = load_config(cfg.to_dict(), expert_capacity=5)
+    assert capped.capacity_rows(2) == 6 * 8
+
+
+def test_fingerprint_tracks_every_field():
+    base = load_config()
+    assert base.fingerprint() == load_config().fingerprint()
+    assert base.fingerprint() != load_config(None, nccl={"transport": "symmetric"}).fingerprint()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        base.hidden = 7
+
+
+def test_public_names():
+    for name in ("load_config", "Config", "Dispatcher", "MoeCommError", "ConfigError", "InputError"):
+        assert hasattr(moe_comm, name)
