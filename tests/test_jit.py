@@ -1,0 +1,298 @@
+"""Contract of moe_comm.jit: the NVRTC compile path and its disk cache (CPU), loading and launching (GPU).
+
+The CPU tests need only NVRTC (the ``nvidia-cuda-nvrtc`` wheel), which compiles for sm_90 on a
+machine without a GPU; they skip with the reason when it cannot be loaded.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from moe_comm import jit
+from moe_comm.errors import BackendError, CompileError, InputError
+
+# Writes `value` into x[i] for i < n; VALUE comes from the defines.
+TOY_SOURCE = r"""
+extern "C" __global__ void fill_value(float* x, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = VALUE;
+}
+"""
+
+# Copies n floats through dynamic shared memory of `extern` size (used past the 48 KiB default).
+SHARED_SOURCE = r"""
+extern "C" __global__ void through_shared(const float* src, float* dst, int n) {
+    extern __shared__ float stage[];
+    for (int i = threadIdx.x; i < n; i += blockDim.x) stage[i] = src[i];
+    __syncthreads();
+    for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = stage[n - 1 - i];
+}
+"""
+
+
+@pytest.fixture
+def nvrtc():
+    """Skip when NVRTC cannot be loaded here (CI installs it through the `test` extra)."""
+    try:
+        return jit.nvrtc_version()
+    except CompileError as exc:
+        pytest.skip(f"NVRTC is not available: {exc}")
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """A fresh cache directory, and a counter of real NVRTC compilations."""
+    monkeypatch.setenv("MOE_COMM_CACHE_DIR", str(tmp_path))
+    calls = []
+    real = jit._nvrtc_compile
+
+    def counting(name, source, headers, options):
+        calls.append(name)
+        return real(name, source, headers, options)
+
+    monkeypatch.setattr(jit, "_nvrtc_compile", counting)
+    return tmp_path, calls
+
+
+def cubins(directory):
+    return sorted(p.name for p in directory.iterdir() if p.suffix == ".cubin")
+
+
+def test_cache_dir_precedence(monkeypatch, tmp_path):
+    monkeypatch.delenv("MOE_COMM_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert jit.cache_dir() == tmp_path / "xdg" / "moe_comm"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert jit.cache_dir() == tmp_path / "home" / ".cache" / "moe_comm"
+    monkeypatch.setenv("MOE_COMM_CACHE_DIR", str(tmp_path / "explicit"))
+    assert jit.cache_dir() == tmp_path / "explicit"
+
+
+def test_compile_writes_a_readable_cubin_once(nvrtc, cache):
+    directory, calls = cache
+    path = jit.compile_source("toy", arch="sm_90", defines={"VALUE": 3, "DTYPE": "bf16"}, source=TOY_SOURCE)
+    assert path.parent == directory
+    # kernel - defines (sorted by name: DTYPE, VALUE) - arch - 16 hex digits of the key
+    prefix, digest = path.stem.rsplit("-", 1)
+    assert prefix == "toy-bf16_value3-sm90"
+    assert len(digest) == 16 and int(digest, 16) >= 0
+    assert path.read_bytes()[:4] == b"\x7fELF"  # a real architecture gives SASS, an ELF cubin
+    stamp = path.stat().st_mtime_ns
+
+    again = jit.compile_source("toy", arch="sm_90", defines={"DTYPE": "bf16", "VALUE": 3}, source=TOY_SOURCE)
+    assert again == path
+    assert calls == ["toy"], "the second call (same defines, other order) must hit the cache"
+    assert path.stat().st_mtime_ns == stamp
+    assert not [p for p in directory.iterdir() if p.name.endswith(".tmp")], "no temp file left behind"
+
+
+def test_every_key_part_gives_its_own_entry(nvrtc, cache):
+    directory, calls = cache
+    base = jit.compile_source("toy", arch="sm_90", defines={"VALUE": 1}, source=TOY_SOURCE)
+    other_define = jit.compile_source("toy", arch="sm_90", defines={"VALUE": 2}, source=TOY_SOURCE)
+    other_arch = jit.compile_source("toy", arch="sm_80", defines={"VALUE": 1}, source=TOY_SOURCE)
+    other_source = jit.compile_source("toy", arch="sm_90", defines={"VALUE": 1}, source=TOY_SOURCE + "\n// edit\n")
+    paths = {base, other_define, other_arch, other_source}
+    assert len(paths) == 4
+    assert cubins(directory) == sorted(p.name for p in paths)
+    assert len(calls) == 4
+    assert other_arch.name.startswith("toy-value1-sm80-")
+
+
+def test_schema_version_is_part_of_the_key(nvrtc, cache, monkeypatch):
+    directory, calls = cache
+    first = jit.compile_source("toy", arch="sm_90", defines={"VALUE": 1}, source=TOY_SOURCE)
+    monkeypatch.setattr(jit, "CACHE_SCHEMA_VERSION", jit.CACHE_SCHEMA_VERSION + 1)
+    second = jit.compile_source("toy", arch="sm_90", defines={"VALUE": 1}, source=TOY_SOURCE)
+    assert first != second and len(calls) == 2
+
+
+def test_entry_compiled_by_another_process_while_waiting_for_the_lock_is_used(nvrtc, cache, monkeypatch):
+    """The second look after taking the lock: a rank that lost the race must not compile again."""
+    directory, calls = cache
+    expected = jit.compile_source("toy", arch="sm_90", defines={"VALUE": 5}, source=TOY_SOURCE)
+    cubin = expected.read_bytes()
+    expected.unlink()
+    calls.clear()
+    real_flock = jit.fcntl.flock
+
+    def flock_then_peer_finishes(handle, operation):
+        real_flock(handle, operation)
+        expected.write_bytes(cubin)  # what the lock holder before us left behind
+
+    monkeypatch.setattr(jit.fcntl, "flock", flock_then_peer_finishes)
+    assert jit.compile_source("toy", arch="sm_90", defines={"VALUE": 5}, source=TOY_SOURCE) == expected
+    assert calls == []
+
+
+def test_syntax_error_raises_compile_error_with_the_log(nvrtc, cache):
+    directory, _ = cache
+    broken = 'extern "C" __global__ void k(float* x) { x[0] = undefined_thing_42; }'
+    with pytest.raises(CompileError) as info:
+        jit.compile_source("broken", arch="sm_90", source=broken)
+    message = str(info.value)
+    assert "'broken'" in message
+    assert "undefined_thing_42" in message and "is undefined" in message  # NVRTC's own log line
+    assert cubins(directory) == []
+
+
+def test_packaged_header_is_included_and_hashed(nvrtc, cache, monkeypatch):
+    """Sources include the packaged .cuh headers; a header edit is a new cache entry."""
+    directory, calls = cache
+    headers = {"toy_value.cuh": "#define HEADER_VALUE 7\n"}
+    monkeypatch.setattr(jit, "_headers", lambda: dict(headers))
+    source = '#include "toy_value.cuh"\nextern "C" __global__ void k(int* x) { x[0] = HEADER_VALUE; }\n'
+    first = jit.compile_source("with_header", arch="sm_90", source=source)
+    headers["toy_value.cuh"] = "#define HEADER_VALUE 8\n"
+    second = jit.compile_source("with_header", arch="sm_90", source=source)
+    assert first != second and len(calls) == 2
+
+
+def test_bad_arguments_name_themselves(nvrtc, cache):
+    with pytest.raises(InputError, match="arch"):
+        jit.compile_source("toy", arch="sm90", source=TOY_SOURCE)
+    with pytest.raises(InputError, match="defines"):
+        jit.compile_source("toy", arch="sm_90", defines={"VALUE": 1.5}, source=TOY_SOURCE)
+    with pytest.raises(InputError, match="defines"):
+        jit.compile_source("toy", arch="sm_90", defines={"NOT AN IDENT": 1}, source=TOY_SOURCE)
+    with pytest.raises(InputError, match="kernel name"):
+        jit.compile_source("../escape", arch="sm_90", source=TOY_SOURCE)
+    with pytest.raises(CompileError, match="no_such_kernel"):
+        jit.compile_source("no_such_kernel", arch="sm_90")
+
+
+def test_declared_defines():
+    text = '// moe_comm-defines: {"HIDDEN": 7168, "DTYPE": "bf16"}\n// moe_comm-defines: {"HIDDEN": 4096}\nint x;\n'
+    assert jit._declared_defines("k", text) == [{"HIDDEN": 7168, "DTYPE": "bf16"}, {"HIDDEN": 4096}]
+    assert jit._declared_defines("k", "int x;\n") == [{}]
+    with pytest.raises(CompileError, match="line 1"):
+        jit._declared_defines("k", "// moe_comm-defines: HIDDEN=1\n")
+
+
+def test_compile_all_builds_every_packaged_kernel(nvrtc, cache):
+    directory, _ = cache
+    paths = jit.compile_all("sm_90")
+    assert all(p.parent == directory and p.exists() for p in paths)
+    names = {p.name.split("-", 1)[0] for p in paths}
+    packaged = set(jit._kernel_sources())
+    assert names == packaged
+
+
+# ------------------------------------------------------------------ GPU: loading and launching
+
+
+def _cuda_device():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+@pytest.mark.gpu
+def test_load_and_launch(cache):
+    device = _cuda_device()
+    fn = jit.load_function(device, "toy", "fill_value", {"VALUE": 7}, source=TOY_SOURCE)
+    assert jit.load_function(device, "toy", "fill_value", {"VALUE": 7}, source=TOY_SOURCE) is fn
+    x = torch.zeros(1000, device=device)
+    fn.launch((x.numel() + 255) // 256, 256, [(x.data_ptr(), ctypes.c_void_p), (x.numel(), ctypes.c_int)])
+    torch.cuda.synchronize(device)
+    assert torch.equal(x, torch.full_like(x, 7.0))
+
+
+@pytest.mark.gpu
+def test_launch_from_a_fresh_thread(cache):
+    """A thread that made no CUDA call has no current context; launching there must still work."""
+    import threading
+
+    device = _cuda_device()
+    fn = jit.load_function(device, "toy", "fill_value", {"VALUE": 9}, source=TOY_SOURCE)
+    x = torch.zeros(64, device=device)
+    stream = torch.cuda.current_stream(device)
+    errors = []
+
+    def body():
+        try:
+            fn.launch(1, 64, [(x.data_ptr(), ctypes.c_void_p), (64, ctypes.c_int)], stream=stream)
+        except Exception as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join()
+    assert not errors, errors
+    torch.cuda.synchronize(device)
+    assert torch.equal(x, torch.full_like(x, 9.0))
+
+
+@pytest.mark.gpu
+def test_launch_while_another_device_is_current(cache):
+    """Launching device 0's kernel while the thread's current device is another one."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    device = torch.device("cuda", 0)
+    fn = jit.load_function(device, "toy", "fill_value", {"VALUE": 11}, source=TOY_SOURCE)
+    x = torch.zeros(64, device=device)
+    with torch.cuda.device(1):
+        fn.launch(1, 64, [(x.data_ptr(), ctypes.c_void_p), (64, ctypes.c_int)])
+        assert torch.cuda.current_device() == 1
+    torch.cuda.synchronize(device)
+    assert torch.equal(x, torch.full_like(x, 11.0))
+
+
+@pytest.mark.gpu
+def test_dynamic_shared_memory_past_48_kib(cache):
+    device = _cuda_device()
+    fn = jit.load_function(device, "shared", "through_shared", source=SHARED_SOURCE)
+    n = 100 * 1024 // 4  # 100 KiB of floats: needs the opt-in attribute
+    src = torch.arange(n, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    fn.launch(1, 256, [(src.data_ptr(), ctypes.c_void_p), (dst.data_ptr(), ctypes.c_void_p), (n, ctypes.c_int)],
+              shared_bytes=n * 4)
+    torch.cuda.synchronize(device)
+    assert torch.equal(dst, src.flip(0))
+
+
+@pytest.mark.gpu
+def test_capture_replays_a_cached_function_and_refuses_to_compile(cache):
+    device = _cuda_device()
+    directory, calls = cache
+    fn = jit.load_function(device, "toy", "fill_value", {"VALUE": 4}, source=TOY_SOURCE)
+    x = torch.zeros(256, device=device)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.graph(graph, stream=stream):
+        again = jit.load_function(device, "toy", "fill_value", {"VALUE": 4}, source=TOY_SOURCE)
+        again.launch(1, 256, [(x.data_ptr(), ctypes.c_void_p), (256, ctypes.c_int)])
+        with pytest.raises(BackendError, match="before the capture"):
+            jit.load_function(device, "toy", "fill_value", {"VALUE": 5}, source=TOY_SOURCE)
+    assert again is fn and calls == ["toy"]
+    graph.replay()
+    torch.cuda.synchronize(device)
+    assert torch.equal(x, torch.full_like(x, 4.0))
+
+
+@pytest.mark.gpu
+def test_unknown_entry_names_it(cache):
+    device = _cuda_device()
+    with pytest.raises(BackendError, match="no_such_entry"):
+        jit.load_function(device, "toy", "no_such_entry", {"VALUE": 1}, source=TOY_SOURCE)
+
+
+def test_modules_do_not_import_cuda_bindings_at_import_time():
+    """CPU-only installs import moe_comm without the CUDA bindings: they are imported inside functions."""
+    import ast
+    from pathlib import Path
+
+    import moe_comm
+
+    root = Path(moe_comm.__file__).parent
+    for relative in ("jit.py", "symm/base.py", "symm/vmm.py"):
+        tree = ast.parse((root / relative).read_text())
+        for node in tree.body:
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(name.startswith("cuda") for name in names), f"{relative} imports {names} at module level"
