@@ -1,0 +1,235 @@
+"""``DeviceBackend``: dispatch/combine with our own CUDA kernels on symmetric memory.
+
+Every rank holds ONE symmetric allocation (a :class:`moe_comm.symm.base.SymmetricMemory`, e.g.
+VMM), carved into the same regions on every rank (:class:`moe_comm.kernels.SymmetricLayout`):
+receive slabs ``[W, M, ...]`` written by the sources (token rows and per-row metadata), return
+slabs written by the destinations (combine partials, per-entry values), and flags. Kernels
+write peers' memory directly (NVLink stores) and synchronise through release/acquire flags with
+device-resident epochs, so every per-step call only launches kernels and allocates its outputs
+with torch, and a whole step can be captured in a CUDA graph and replayed. The protocol is
+stated at the top of ``csrc/dispatch.cu`` and ``csrc/combine.cu``.
+
+NOTE: one call = these launches on the current stream: dispatch 3 (send, layout, expand),
+combine 2, redispatch 2, return_entry_values 2. Calls of one backend must be ordered on the
+device (one stream, or events between streams): the epochs and done-counters are per backend.
+Every rank must run the same sequence of calls (they are collective), eager or replayed.
+
+NOTE: redispatch leaves the rows of its result that no kept entry maps to unspecified (the
+reference backend zeroes them): ``Routing`` does not carry the segment ends that would say which
+rows are padding, and zeroing all ``capacity_rows`` rows costs a memset of the whole buffer.
+Autograd (the only user) reads only mapped rows.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from .. import kernels, layout
+from ..config import Config
+from ..errors import BackendError
+from .base import Backend, DispatchResult
+
+__all__ = ["DeviceBackend"]
+
+_log = logging.getLogger("moe_comm")
+
+
+class DeviceBackend(Backend):
+    """Dispatch/combine with the kernels of ``moe_comm/csrc`` on one symmetric allocation per rank.
+
+    Collective: every rank of ``group`` constructs it with the same config, in the same order. The
+    constructor allocates and maps the symmetric memory, compiles and loads every kernel, and runs
+    every kernel once (a warm-up step with no tokens), so nothing is compiled, loaded or allocated
+    symmetrically afterwards and any per-step call may be captured in a CUDA graph.
+
+    Args:
+        config: the validated config. group: the process group (its host-side collectives carry
+            the setup; every rank must be on this host). device: this rank's CUDA device.
+        memory_cls: the symmetric memory class, called as
+            ``memory_cls(group, device, nbytes, timeout_s=..., fd_passing=...)``.
+
+    Raises:
+        BackendError: the sizes do not fit the kernels, a kernel does not compile on some rank, or
+            the warm-up step did not complete (a peer did not answer within ``timeout_s``).
+    """
+
+    def __init__(self, config: Config, group, device: torch.device, memory_cls: Callable[..., Any]) -> None:
+        if not isinstance(device, torch.device) or device.type != "cuda":
+            raise BackendError(f"DeviceBackend needs a CUDA device, got {device!r}")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.name = "device"
+        self.config = config
+        self.group = group
+        self.device = device
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.num_local_experts = config.experts_per_rank(self.world_size)
+        self.capacity_rows = config.capacity_rows(self.world_size)
+        self.dtype = config.torch_dtype
+        self._memory = None
+        self._closed = False
+        self._check_sizes()
+
+        row_bytes = config.hidden * self.dtype.itemsize
+        self.layout = kernels.SymmetricLayout.plan(
+            self.world_size, config.max_tokens_per_rank, config.topk, row_bytes
+        )
+        self.status = layout.new_status(device)
+        # u64 state words (epochs, done-counters): zero, like the flags of a fresh allocation.
+        self._state = torch.zeros(kernels.STATE_WORDS, dtype=torch.int64, device=device)
+        self._memory = memory_cls(
+            group, device, self.layout.nbytes, timeout_s=config.timeout_s, fd_passing=config.vmm.fd_passing
+        )
+        try:
+            self._setup_kernels()
+            self._warm_up()
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ setup
+
+    def _check_sizes(self) -> None:
+        cfg = self.config
+        if self.world_size > kernels.MAX_WORLD_SIZE:
+            raise BackendError(
+                f"the device kernels handle at most {kernels.MAX_WORLD_SIZE} ranks, the group has {self.world_size}"
+            )
+        if cfg.topk > kernels.MAX_TOPK:
+            raise BackendError(f"the device kernels handle topk <= {kernels.MAX_TOPK}, the config has {cfg.topk}")
+        entries = self.world_size * cfg.max_tokens_per_rank * cfg.topk
+        if self.capacity_rows >= 2**31 or entries >= 2**31:
+            raise BackendError(
+                f"capacity_rows={self.capacity_rows} and world_size * max_tokens_per_rank * topk={entries} must "
+                "stay below 2**31 (int32 row indices); lower max_tokens_per_rank or set expert_capacity"
+            )
+
+    def _setup_kernels(self) -> None:
+        """Compile (cached) and load every kernel; all ranks learn whether any rank failed."""
+        cfg = self.config
+        error = None
+        try:
+            defines = kernels.kernel_defines(self.dtype, cfg.hidden, cfg.topk)
+            args = kernels.CommArgs(
+                peers_ptr=self._memory.peer_ptrs_tensor.data_ptr(),
+                rank=self.rank,
+                world_size=self.world_size,
+                max_tokens=cfg.max_tokens_per_rank,
+                state_ptr=self._state.data_ptr(),
+                status_ptr=self.status.data_ptr(),
+                timeout_ns=int(cfg.timeout_s * 1e9),
+            )
+            device_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            self._dispatch_kernels = kernels.DispatchKernels(
+                self.device,
+                defines,
+                args,
+                self.layout,
+                num_experts=cfg.num_experts,
+                num_local_experts=self.num_local_experts,
+                expert_alignment=cfg.expert_alignment,
+                expert_capacity=cfg.expert_capacity,
+                capacity_rows=self.capacity_rows,
+                num_sms=cfg.num_sms,
+                device_sms=device_sms,
+            )
+            self._combine_kernels = kernels.CombineKernels(
+                self.device, defines, args, self.layout, capacity_rows=self.capacity_rows, num_sms=cfg.num_sms
+            )
+        except Exception as exc:  # reported to every rank below, then raised here
+            error = exc
+        errors: list = [None] * self.world_size
+        dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}", group=self.group)
+        if error is not None:
+            raise error
+        failed = [r for r, e in enumerate(errors) if e is not None]
+        if failed:
+            raise BackendError(f"kernel setup failed on rank(s) {failed}: {errors[failed[0]]}")
+
+    def _warm_up(self) -> None:
+        """Run every kernel once with no tokens (collective); raises if a wait timed out."""
+        cfg = self.config
+        x = torch.empty((0, cfg.hidden), dtype=self.dtype, device=self.device)
+        idx = torch.empty((0, cfg.topk), dtype=torch.int64, device=self.device)
+        weights = torch.empty((0, cfg.topk), dtype=torch.float32, device=self.device)
+        result = self.dispatch(x, idx, weights)
+        self.combine(result.x, result.routing, weighted=True)
+        self.redispatch(x, result.routing)
+        self.return_entry_values(
+            torch.zeros(self.capacity_rows, dtype=torch.float32, device=self.device), result.routing
+        )
+        torch.cuda.synchronize(self.device)
+        phase = int(self.status[layout.STATUS_TIMEOUT_PHASE])
+        problem = None
+        if phase:
+            peer = int(self.status[layout.STATUS_TIMEOUT_PEER])
+            problem = (
+                f"rank {self.rank} timed out after {cfg.timeout_s} s: "
+                f"{kernels.TIMEOUT_PHASES.get(phase, f'phase {phase}')} (peer rank {peer})"
+            )
+        problems: list = [None] * self.world_size
+        dist.all_gather_object(problems, problem, group=self.group)
+        failed = [p for p in problems if p is not None]
+        if failed:
+            raise BackendError(
+                f"the warm-up step of the device kernels did not complete: {'; '.join(failed)}; "
+                "is every rank constructing its Dispatcher at the same time?"
+            )
+
+    # ------------------------------------------------------------------ per step
+
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> DispatchResult:
+        cfg = self.config
+        device = self.device
+        num_tokens = x.shape[0]
+        send_mask = torch.empty((num_tokens, self.world_size), dtype=torch.bool, device=device)
+        dest_rank = torch.empty((num_tokens, cfg.topk), dtype=torch.int32, device=device)
+        slab = (self.world_size, cfg.max_tokens_per_rank, cfg.topk)
+        recv_pos = torch.empty(slab, dtype=torch.int32, device=device)
+        recv_weight = torch.empty(slab, dtype=torch.float32, device=device)
+        expert_offsets = torch.empty(self.num_local_experts, dtype=torch.int32, device=device)
+        tokens_per_expert = torch.empty(self.num_local_experts, dtype=torch.int32, device=device)
+        out_x = torch.empty((self.capacity_rows, cfg.hidden), dtype=self.dtype, device=device)
+        k = self._dispatch_kernels
+        k.dispatch_send(x, topk_idx, topk_weights, send_mask, dest_rank)
+        k.dispatch_layout(recv_pos, recv_weight, expert_offsets, tokens_per_expert)
+        k.dispatch_expand(recv_pos, expert_offsets, tokens_per_expert, out_x, wait_arrivals=False)
+        routing = layout.Routing(num_tokens, send_mask, dest_rank, recv_pos, recv_weight)
+        return DispatchResult(out_x, expert_offsets, tokens_per_expert, routing)
+
+    def redispatch(self, x: torch.Tensor, routing: layout.Routing) -> torch.Tensor:
+        out = torch.empty((self.capacity_rows, self.config.hidden), dtype=self.dtype, device=self.device)
+        k = self._dispatch_kernels
+        k.redispatch_send(x, routing.send_mask)
+        k.dispatch_expand(routing.recv_pos, None, None, out, wait_arrivals=True)
+        return out
+
+    def combine(self, y: torch.Tensor, routing: layout.Routing, weighted: bool = True) -> torch.Tensor:
+        z = torch.empty((routing.num_tokens, self.config.hidden), dtype=self.dtype, device=self.device)
+        k = self._combine_kernels
+        k.combine_send(y, routing.recv_pos, routing.recv_weight, weighted)
+        k.combine_recv(routing.send_mask, z)
+        return z
+
+    def return_entry_values(self, row_vector: torch.Tensor, routing: layout.Routing) -> torch.Tensor:
+        out = torch.empty((routing.num_tokens, self.config.topk), dtype=torch.float32, device=self.device)
+        k = self._combine_kernels
+        k.values_send(row_vector.contiguous(), routing.recv_pos)
+        k.values_recv(routing.dest_rank, out)
+        return out
+
+    # ------------------------------------------------------------------ lifetime
+
+    def close(self) -> None:
+        """Release the symmetric memory (after the device finished using it); idempotent, local."""
+        if self._closed:
+            return
+        self._closed = True
+        memory, self._memory = self._memory, None
+        if memory is not None:
+            memory.close()

@@ -1,0 +1,270 @@
+// combine.cu: bring expert outputs back to their tokens (combine) and per-entry values back to
+// their assignments (return_entry_values).
+//
+// Protocol: channel 1 ("to source"). Each call uses epoch e = state.epoch[1] + 1, read from
+// device memory by every kernel, so graph replays and eager calls always run at the next epoch.
+//
+//   combine_send (on the destination R, grid of up to num_sms blocks): every block first waits
+//     until ack[1][s] >= e - 1 in R's own flags for every rank s (s has finished reading what R
+//     returned to it at the previous epoch). Then for every slab row (s, t) that carries a token
+//     (an entry of recv_pos[s, t, :] is not -1) it computes
+//         partial = dtype(sum over kept k (pos >= 0), k increasing, of w_k * float(y[pos_k]))
+//     (w_k = 1 unweighted) in float32 from 0.0f with separate __fmul_rn / __fadd_rn (no fused
+//     multiply-add: the reference rounds the product), rounded to nearest even, and stores it into
+//     ret_x[R][t] of rank s (16-byte stores); a row whose entries were all dropped sends zeros.
+//     The last block release-stores arrival[1][R] = e into every rank's flags.
+//   combine_recv (on the source R, grid of up to num_sms blocks): every block waits until
+//     arrival[1][r] >= e for every r (acquire), then
+//         z[t] = dtype(sum over r increasing with send_mask[t, r] of float(ret_x[r][t]))
+//     from 0.0f with __fadd_rn; a token sent nowhere gets zeros. The last block release-stores
+//     ack[1][R] = e into every rank's flags and sets state.epoch[1] = e.
+//   values_send / values_recv: the same channel for one float per entry. The destination writes
+//     row_vector[pos] (0 where pos < 0) for every entry (s, t, k) with pos != -1 into
+//     ret_vals[R][t][k] of rank s; the source gathers out[t, k] = ret_vals[dest_rank[t, k]][t][k]
+//     (0 where dest_rank < 0). Waits, signals and acks as above.
+//
+// A wait that runs past timeout_ns records (phase, peer) into the status word and gives up, so
+// every kernel terminates; the results of that call are then invalid (Dispatcher.check() says so).
+//
+// moe_comm-defines: {"DTYPE": "bf16", "HIDDEN": 1024, "TOPK": 4}
+// moe_comm-defines: {"DTYPE": "bf16", "HIDDEN": 7168, "TOPK": 8}
+
+#include "common.cuh"
+
+#define COMBINE_THREADS 512
+#define COMBINE_SEND_VPL 2   // vectors per lane per unit: up to 4 entries' vectors are in flight at once
+#define COMBINE_RECV_VPL 4
+#define VALUES_THREADS 512
+
+// acc[u][:] += (weighted ? w * row : row) for the VPL vectors of one unit, rounded per operation.
+template <int VPL>
+__device__ __forceinline__ void accumulate(float (&acc)[VPL][ELEMS_PER_VEC], const Vec16 (&vals)[VPL], float w,
+                                           bool weighted, int v0) {
+#pragma unroll
+    for (int u = 0; u < VPL; ++u) {
+        if (v0 + 32 * u < ROW_VECS) {
+            float f[ELEMS_PER_VEC];
+            unpack16(vals[u], f);
+#pragma unroll
+            for (int e = 0; e < ELEMS_PER_VEC; ++e) acc[u][e] = __fadd_rn(acc[u][e], weighted ? __fmul_rn(w, f[e]) : f[e]);
+        }
+    }
+}
+
+// --------------------------------------------------------------------------- combine_send
+
+extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) combine_send(
+    const i64* __restrict__ peers, int rank, int world, int max_tokens, u64* state, i64* status, i64 timeout_ns,
+    i64 off_ret_x, const void* __restrict__ y, int capacity_rows,
+    const i32* __restrict__ recv_pos, const float* __restrict__ recv_weight, int weighted) {
+    typedef RowChunks<COMBINE_SEND_VPL> Chunks;
+    __shared__ i64 s_peer[MAX_WORLD];
+    __shared__ RowBatch batch;
+    load_peers(s_peer, peers, world);
+    const u64 epoch = state[STATE_EPOCH + CH_TO_SOURCE] + 1;
+    __syncthreads();
+    block_wait_flags(s_peer[rank], world, CH_TO_SOURCE, FLAG_ACK, epoch - 1, status, TIMEOUT_TO_SOURCE_ACK,
+                     timeout_ns);
+
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int warps = blockDim.x >> 5;
+    const u8* rows = static_cast<const u8*>(y);
+    const i64 total_rows = static_cast<i64>(world) * max_tokens;
+    const i64 num_batches = (total_rows + BATCH_ROWS - 1) / BATCH_ROWS;
+    for (i64 q = blockIdx.x; q < num_batches; q += gridDim.x) {
+        const int listed = block_load_rows(batch, recv_pos, weighted ? recv_weight : nullptr, q, num_batches,
+                                             total_rows, -2);
+        for (int unit = warp; unit < listed * Chunks::kPerRow; unit += warps) {
+            const int r = batch.list[unit / Chunks::kPerRow];
+            const int chunk = unit - (unit / Chunks::kPerRow) * Chunks::kPerRow;
+            const int pos = lane < TOPK ? batch.pos[r * TOPK + lane] : -1;
+            const u32 kept = __ballot_sync(FULL_MASK, lane < TOPK && pos >= 0 && pos < capacity_rows);
+            const int v0 = chunk * Chunks::kVecs + lane;
+            float acc[COMBINE_SEND_VPL][ELEMS_PER_VEC];
+#pragma unroll
+            for (int u = 0; u < COMBINE_SEND_VPL; ++u) {
+#pragma unroll
+                for (int e = 0; e < ELEMS_PER_VEC; ++e) acc[u][e] = 0.0f;
+            }
+            // Entries in increasing k, four at a time: loads first, then the ordered sums.
+#pragma unroll
+            for (int k0 = 0; k0 < TOPK; k0 += 4) {
+                Vec16 vals[4][COMBINE_SEND_VPL];
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int k = k0 + i;
+                    if (k < TOPK && ((kept >> k) & 1u)) {
+                        const u8* src = rows + static_cast<i64>(batch.pos[r * TOPK + k]) * ROW_BYTES;
+#pragma unroll
+                        for (int u = 0; u < COMBINE_SEND_VPL; ++u) {
+                            const int v = v0 + 32 * u;
+                            if (v < ROW_VECS) vals[i][u] = ld16_nc(src + static_cast<i64>(v) * 16);
+                        }
+                    }
+                }
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int k = k0 + i;
+                    if (k < TOPK && ((kept >> k) & 1u)) {
+                        const float w = weighted ? batch.weight[r * TOPK + k] : 1.0f;
+                        accumulate<COMBINE_SEND_VPL>(acc, vals[i], w, weighted != 0, v0);
+                    }
+                }
+            }
+            const i64 g = batch_row(q, num_batches, r);
+            const i64 s = g / max_tokens;
+            const i64 t = g - s * max_tokens;
+            u8* dst = reinterpret_cast<u8*>(s_peer[s] + off_ret_x) + (static_cast<i64>(rank) * max_tokens + t) * ROW_BYTES;
+#pragma unroll
+            for (int u = 0; u < COMBINE_SEND_VPL; ++u) {
+                const int v = v0 + 32 * u;
+                if (v < ROW_VECS) st16(dst + static_cast<i64>(v) * 16, pack16(acc[u]));
+            }
+        }
+        __syncthreads();  // the batch is overwritten next
+    }
+
+    if (last_block_done(state + STATE_DONE + SLOT_COMBINE_SEND)) {
+        for (int r = threadIdx.x; r < world; r += blockDim.x) {
+            __threadfence_system();
+            st_release_sys(flag_at(s_peer[r], world, CH_TO_SOURCE, FLAG_ARRIVAL, rank), epoch);
+        }
+    }
+}
+
+// --------------------------------------------------------------------------- combine_recv
+
+extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) combine_recv(
+    const i64* __restrict__ peers, int rank, int world, int max_tokens, u64* state, i64* status, i64 timeout_ns,
+    i64 off_ret_x, const u8* __restrict__ send_mask, int num_tokens, void* __restrict__ z) {
+    typedef RowChunks<COMBINE_RECV_VPL> Chunks;
+    __shared__ i64 s_peer[MAX_WORLD];
+    load_peers(s_peer, peers, world);
+    const u64 epoch = state[STATE_EPOCH + CH_TO_SOURCE] + 1;
+    __syncthreads();
+    block_wait_flags(s_peer[rank], world, CH_TO_SOURCE, FLAG_ARRIVAL, epoch, status, TIMEOUT_TO_SOURCE_ARRIVAL,
+                     timeout_ns);
+
+    const int lane = threadIdx.x & 31;
+    const int warps = blockDim.x >> 5;
+    const u8* returned = reinterpret_cast<const u8*>(s_peer[rank] + off_ret_x);
+    const i64 num_units = static_cast<i64>(num_tokens) * Chunks::kPerRow;
+    for (i64 unit = static_cast<i64>(blockIdx.x) * warps + (threadIdx.x >> 5); unit < num_units;
+         unit += static_cast<i64>(gridDim.x) * warps) {
+        const int t = static_cast<int>(unit / Chunks::kPerRow);
+        const int chunk = static_cast<int>(unit - static_cast<i64>(t) * Chunks::kPerRow);
+        const int v0 = chunk * Chunks::kVecs + lane;
+        float acc[COMBINE_RECV_VPL][ELEMS_PER_VEC];
+#pragma unroll
+        for (int u = 0; u < COMBINE_RECV_VPL; ++u) {
+#pragma unroll
+            for (int e = 0; e < ELEMS_PER_VEC; ++e) acc[u][e] = 0.0f;
+        }
+        // Ranks in increasing order, up to four partial rows in flight at once.
+        u64 pending = warp_dest_set(send_mask + static_cast<i64>(t) * world, world);
+        while (pending != 0ull) {
+            int from[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                from[i] = -1;
+                if (pending != 0ull) {
+                    from[i] = __ffsll(static_cast<i64>(pending)) - 1;
+                    pending &= pending - 1ull;
+                }
+            }
+            Vec16 vals[4][COMBINE_RECV_VPL];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                if (from[i] >= 0) {
+                    const u8* src = returned + (static_cast<i64>(from[i]) * max_tokens + t) * ROW_BYTES;
+#pragma unroll
+                    for (int u = 0; u < COMBINE_RECV_VPL; ++u) {
+                        const int v = v0 + 32 * u;
+                        if (v < ROW_VECS) vals[i][u] = ld16(src + static_cast<i64>(v) * 16);
+                    }
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                if (from[i] >= 0) accumulate<COMBINE_RECV_VPL>(acc, vals[i], 1.0f, false, v0);
+            }
+        }
+        u8* dst = static_cast<u8*>(z) + static_cast<i64>(t) * ROW_BYTES;
+#pragma unroll
+        for (int u = 0; u < COMBINE_RECV_VPL; ++u) {
+            const int v = v0 + 32 * u;
+            if (v < ROW_VECS) st16(dst + static_cast<i64>(v) * 16, pack16(acc[u]));
+        }
+    }
+
+    if (last_block_done(state + STATE_DONE + SLOT_COMBINE_RECV)) {
+        for (int r = threadIdx.x; r < world; r += blockDim.x) {
+            __threadfence_system();
+            st_release_sys(flag_at(s_peer[r], world, CH_TO_SOURCE, FLAG_ACK, rank), epoch);
+        }
+        if (threadIdx.x == 0) state[STATE_EPOCH + CH_TO_SOURCE] = epoch;
+    }
+}
+
+// ---------------------------------------------------------------------------- values_send
+
+extern "C" __global__ void __launch_bounds__(VALUES_THREADS) values_send(
+    const i64* __restrict__ peers, int rank, int world, int max_tokens, u64* state, i64* status, i64 timeout_ns,
+    i64 off_ret_vals, const float* __restrict__ row_vector, int capacity_rows, const i32* __restrict__ recv_pos) {
+    __shared__ i64 s_peer[MAX_WORLD];
+    load_peers(s_peer, peers, world);
+    const u64 epoch = state[STATE_EPOCH + CH_TO_SOURCE] + 1;
+    __syncthreads();
+    block_wait_flags(s_peer[rank], world, CH_TO_SOURCE, FLAG_ACK, epoch - 1, status, TIMEOUT_TO_SOURCE_ACK,
+                     timeout_ns);
+
+    const i64 per_slab = static_cast<i64>(max_tokens) * TOPK;
+    const i64 total = static_cast<i64>(world) * per_slab;
+    for (i64 i = static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+         i += static_cast<i64>(gridDim.x) * blockDim.x) {
+        const int pos = recv_pos[i];
+        if (pos == -1) continue;
+        const i64 s = i / per_slab;
+        const i64 within = i - s * per_slab;  // t * K + k
+        float* dst = reinterpret_cast<float*>(s_peer[s] + off_ret_vals) + static_cast<i64>(rank) * per_slab + within;
+        *dst = pos >= 0 && pos < capacity_rows ? row_vector[pos] : 0.0f;
+    }
+
+    if (last_block_done(state + STATE_DONE + SLOT_VALUES_SEND)) {
+        for (int r = threadIdx.x; r < world; r += blockDim.x) {
+            __threadfence_system();
+            st_release_sys(flag_at(s_peer[r], world, CH_TO_SOURCE, FLAG_ARRIVAL, rank), epoch);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------- values_recv
+
+extern "C" __global__ void __launch_bounds__(VALUES_THREADS) values_recv(
+    const i64* __restrict__ peers, int rank, int world, int max_tokens, u64* state, i64* status, i64 timeout_ns,
+    i64 off_ret_vals, const i32* __restrict__ dest_rank, int num_tokens, float* __restrict__ out) {
+    __shared__ i64 s_peer[MAX_WORLD];
+    load_peers(s_peer, peers, world);
+    const u64 epoch = state[STATE_EPOCH + CH_TO_SOURCE] + 1;
+    __syncthreads();
+    block_wait_flags(s_peer[rank], world, CH_TO_SOURCE, FLAG_ARRIVAL, epoch, status, TIMEOUT_TO_SOURCE_ARRIVAL,
+                     timeout_ns);
+
+    const float* returned = reinterpret_cast<const float*>(s_peer[rank] + off_ret_vals);
+    const i64 per_slab = static_cast<i64>(max_tokens) * TOPK;
+    const i64 total = static_cast<i64>(num_tokens) * TOPK;
+    for (i64 i = static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+         i += static_cast<i64>(gridDim.x) * blockDim.x) {
+        const int r = dest_rank[i];
+        out[i] = r >= 0 && r < world ? returned[r * per_slab + i] : 0.0f;
+    }
+
+    if (last_block_done(state + STATE_DONE + SLOT_VALUES_RECV)) {
+        for (int r = threadIdx.x; r < world; r += blockDim.x) {
+            __threadfence_system();
+            st_release_sys(flag_at(s_peer[r], world, CH_TO_SOURCE, FLAG_ACK, rank), epoch);
+        }
+        if (threadIdx.x == 0) state[STATE_EPOCH + CH_TO_SOURCE] = epoch;
+    }
+}

@@ -1,0 +1,380 @@
+// common.cuh: device helpers shared by moe_comm's kernels (dispatch.cu, combine.cu).
+//
+// NVRTC has no standard headers: this file includes nothing and defines its own fixed-width
+// types, 16-byte row vectors, dtype conversions (inline PTX), system-scope flags, the bounded
+// spin-wait that reports timeouts into the device status word, and the "last block done" pattern.
+//
+// Compile-time defines (set by moe_comm/kernels.py; they fix the row shape):
+//   DTYPE   bf16 | f16 | f32   element type of token rows
+//   HIDDEN  elements per row   (HIDDEN * element size is a multiple of 16 bytes)
+//   TOPK    columns of topk_idx (1..32)
+//
+// Layouts mirrored from Python (keep in sync with moe_comm/layout.py and moe_comm/kernels.py):
+//   * status word  int64 [6]: see STATUS_* below (layout.STATUS_*).
+//   * flags        u64 at offset 0 of every rank's symmetric allocation:
+//                  flags[channel][kind][peer], channel 0 = "to destination" (dispatch, redispatch),
+//                  channel 1 = "to source" (combine, return_entry_values); kind 0 = arrival
+//                  (written by sender `peer`), 1 = count (T of sender `peer`), 2 = ack (written by
+//                  receiver `peer` once it finished reading what this rank sent it).
+//   * state        u64 [16], local (not symmetric): [0 + channel] epoch of the last completed
+//                  operation on that channel; [2 + slot] done-counters of the last-block pattern.
+//   * timeout phases: TIMEOUT_* below (kernels.TIMEOUT_PHASES).
+#pragma once
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef int i32;
+typedef unsigned int u32;
+typedef long long i64;
+typedef unsigned long long u64;
+
+#define FULL_MASK 0xffffffffu
+
+// ---------------------------------------------------------------------------------------- shape
+
+#define MOE_DTYPE_bf16 1
+#define MOE_DTYPE_f16 2
+#define MOE_DTYPE_f32 3
+#define MOE_CAT_(a, b) a##b
+#define MOE_CAT(a, b) MOE_CAT_(a, b)
+
+#if !defined(DTYPE) || !defined(HIDDEN) || !defined(TOPK)
+#error "compile with -DDTYPE=bf16|f16|f32 -DHIDDEN=<elements per row> -DTOPK=<columns of topk_idx>"
+#endif
+
+#define MOE_DTYPE MOE_CAT(MOE_DTYPE_, DTYPE)
+#if MOE_DTYPE == MOE_DTYPE_f32
+#define ELEM_BYTES 4
+#elif MOE_DTYPE == MOE_DTYPE_bf16 || MOE_DTYPE == MOE_DTYPE_f16
+#define ELEM_BYTES 2
+#else
+#error "DTYPE must be bf16, f16 or f32"
+#endif
+
+#define ROW_BYTES (HIDDEN * ELEM_BYTES)
+#define ROW_VECS (ROW_BYTES / 16)         // 16-byte vectors per row
+#define ELEMS_PER_VEC (16 / ELEM_BYTES)   // elements per 16-byte vector
+
+static_assert(ROW_BYTES % 16 == 0, "rows must be a multiple of 16 bytes");
+static_assert(TOPK >= 1 && TOPK <= 32, "TOPK must be in [1, 32] (one lane per column)");
+
+// A dispatch metadata row: TOPK local expert ids (int32, -1 = none), then TOPK weights (float32
+// bits), padded to a multiple of 4 words so rows stay 16-byte aligned.
+#define META_WORDS ((2 * TOPK + 3) / 4 * 4)
+
+// The most ranks a kernel handles (destination sets are 64-bit masks; peer bases live in shared memory).
+#define MAX_WORLD 64
+
+// ------------------------------------------------------------------------ status and protocol
+
+#define STATUS_NUM_INVALID 0
+#define STATUS_FIRST_INVALID 1
+#define STATUS_NUM_DROPPED 2
+#define STATUS_FIRST_DROPPED 3
+#define STATUS_TIMEOUT_PHASE 4
+#define STATUS_TIMEOUT_PEER 5
+#define NO_OFFENDER 0x7fffffffffffffffLL
+
+#define CH_TO_DEST 0
+#define CH_TO_SOURCE 1
+#define FLAG_ARRIVAL 0
+#define FLAG_COUNT 1
+#define FLAG_ACK 2
+
+// Timeout phases: 1 + 2 * channel for "waiting for the peer's ack" (its slab is still being read),
+// 2 + 2 * channel for "waiting for the peer's arrival" (its data has not landed).
+#define TIMEOUT_TO_DEST_ACK 1
+#define TIMEOUT_TO_DEST_ARRIVAL 2
+#define TIMEOUT_TO_SOURCE_ACK 3
+#define TIMEOUT_TO_SOURCE_ARRIVAL 4
+
+#define STATE_EPOCH 0
+#define STATE_DONE 2
+// Done-counter slots, one per kernel entry point.
+#define SLOT_DISPATCH_SEND 0
+#define SLOT_DISPATCH_EXPAND 1
+#define SLOT_REDISPATCH_SEND 2
+#define SLOT_COMBINE_SEND 3
+#define SLOT_COMBINE_RECV 4
+#define SLOT_VALUES_SEND 5
+#define SLOT_VALUES_RECV 6
+
+// ------------------------------------------------------------------------------ small helpers
+
+__device__ __forceinline__ u32 lanemask_lt() {
+    u32 mask;
+    asm("mov.u32 %0, %%lanemask_lt;" : "=r"(mask));
+    return mask;
+}
+
+__device__ __forceinline__ u64 globaltimer_ns() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+__device__ __forceinline__ void sleep_ns(u32 ns) { asm volatile("nanosleep.u32 %0;" ::"r"(ns)); }
+
+__device__ __forceinline__ i64 imin64(i64 a, i64 b) { return a < b ? a : b; }
+
+// Smallest value over the warp (all lanes must call it).
+__device__ __forceinline__ i64 warp_min_i64(i64 v) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) v = imin64(v, __shfl_xor_sync(FULL_MASK, v, offset));
+    return v;
+}
+
+// ---------------------------------------------------------------------------- 16-byte vectors
+
+struct alignas(16) Vec16 {
+    u32 w[4];
+};
+
+// Read-only input of the whole kernel (user tensors x, y): non-coherent path.
+__device__ __forceinline__ Vec16 ld16_nc(const void* p) {
+    Vec16 v;
+    asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.w[0]), "=r"(v.w[1]), "=r"(v.w[2]), "=r"(v.w[3])
+        : "l"(p));
+    return v;
+}
+
+// Memory another rank wrote (after the acquire that synchronised with it): an ordinary load,
+// which the "memory" clobber of the acquire keeps below the wait.
+__device__ __forceinline__ Vec16 ld16(const void* p) { return *reinterpret_cast<const Vec16*>(p); }
+
+// A store to local or peer memory (over NVLink when the address maps a peer's allocation).
+__device__ __forceinline__ void st16(void* p, const Vec16& v) { *reinterpret_cast<Vec16*>(p) = v; }
+
+__device__ __forceinline__ Vec16 zero16() {
+    Vec16 v;
+    v.w[0] = v.w[1] = v.w[2] = v.w[3] = 0u;
+    return v;
+}
+
+// ----------------------------------------------------------------------------- conversions
+// Round-to-nearest-even, like torch's .to(dtype).
+
+__device__ __forceinline__ float bf16_to_f32(u32 bits16) { return __uint_as_float(bits16 << 16); }
+
+__device__ __forceinline__ float f16_to_f32(u32 bits16) {
+    u16 h = static_cast<u16>(bits16);
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+// Two floats to one 32-bit word of two 16-bit values: `lo` in bits 0..15, `hi` in bits 16..31.
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+__device__ __forceinline__ u32 pack_f16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// The ELEMS_PER_VEC values of a row vector as float32.
+__device__ __forceinline__ void unpack16(const Vec16& v, float (&f)[ELEMS_PER_VEC]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#if MOE_DTYPE == MOE_DTYPE_f32
+        f[i] = __uint_as_float(v.w[i]);
+#elif MOE_DTYPE == MOE_DTYPE_bf16
+        f[2 * i] = bf16_to_f32(v.w[i] & 0xffffu);
+        f[2 * i + 1] = bf16_to_f32(v.w[i] >> 16);
+#else
+        f[2 * i] = f16_to_f32(v.w[i] & 0xffffu);
+        f[2 * i + 1] = f16_to_f32(v.w[i] >> 16);
+#endif
+    }
+}
+
+// float32 values rounded (RNE) to the row dtype, packed into a 16-byte vector.
+__device__ __forceinline__ Vec16 pack16(const float (&f)[ELEMS_PER_VEC]) {
+    Vec16 v;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#if MOE_DTYPE == MOE_DTYPE_f32
+        v.w[i] = __float_as_uint(f[i]);
+#elif MOE_DTYPE == MOE_DTYPE_bf16
+        v.w[i] = pack_bf16x2(f[2 * i], f[2 * i + 1]);
+#else
+        v.w[i] = pack_f16x2(f[2 * i], f[2 * i + 1]);
+#endif
+    }
+    return v;
+}
+
+// ------------------------------------------------------------------- system-scope flag access
+
+__device__ __forceinline__ u64 ld_acquire_sys(const u64* p) {
+    u64 v;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ u64 ld_relaxed_sys(const u64* p) {
+    u64 v;
+    asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void st_release_sys(u64* p, u64 v) {
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ void st_relaxed_sys(u64* p, u64 v) {
+    asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// Address of flags[channel][kind][peer] in the symmetric allocation that starts at `base`.
+__device__ __forceinline__ u64* flag_at(i64 base, int world, int channel, int kind, int peer) {
+    return reinterpret_cast<u64*>(base) + (channel * 3 + kind) * world + peer;
+}
+
+// ------------------------------------------------------------------------------ status word
+
+__device__ __forceinline__ bool status_timed_out(const i64* status) {
+    return *reinterpret_cast<const volatile i64*>(status + STATUS_TIMEOUT_PHASE) != 0;
+}
+
+// First timeout wins: the phase is claimed with a CAS, then the peer is written.
+__device__ __forceinline__ void status_record_timeout(i64* status, int phase, int peer) {
+    u64* slot = reinterpret_cast<u64*>(status + STATUS_TIMEOUT_PHASE);
+    if (atomicCAS(slot, 0ull, static_cast<u64>(phase)) == 0ull) {
+        atomicExch(reinterpret_cast<u64*>(status + STATUS_TIMEOUT_PEER), static_cast<u64>(peer));
+    }
+}
+
+// Add `count` offenders to status[count_field] and lower status[count_field + 1] to `first_key`.
+__device__ __forceinline__ void status_add_offenders(i64* status, int count_field, i64 count, i64 first_key) {
+    atomicAdd(reinterpret_cast<u64*>(status + count_field), static_cast<u64>(count));
+    atomicMin(status + count_field + 1, first_key);
+}
+
+// Spin until *flag >= target (acquire, system scope), at most timeout_ns. On timeout record
+// (phase, peer) in the status word and return false; if a timeout was recorded already (the
+// protocol is broken until Dispatcher.check() clears it) give up at once so every kernel ends.
+__device__ __noinline__ bool wait_flag_geq(const u64* flag, u64 target, i64* status, int phase, int peer,
+                                           i64 timeout_ns) {
+    if (ld_acquire_sys(flag) >= target) return true;
+    if (status_timed_out(status)) return false;
+    const u64 start = globaltimer_ns();
+    for (;;) {
+        sleep_ns(32);
+        if (ld_acquire_sys(flag) >= target) return true;
+        if (static_cast<i64>(globaltimer_ns() - start) > timeout_ns) {
+            status_record_timeout(status, phase, peer);
+            return false;
+        }
+    }
+}
+
+// Threads [0, world) of the block each wait for flags[channel][kind][p] >= target in this rank's
+// allocation at `base`, then the whole block synchronises. Ordinary loads after this call see
+// everything the peers wrote before their release of the flag.
+__device__ __forceinline__ void block_wait_flags(i64 base, int world, int channel, int kind, u64 target,
+                                                 i64* status, int phase, i64 timeout_ns) {
+    for (int p = threadIdx.x; p < world; p += blockDim.x) {
+        wait_flag_geq(flag_at(base, world, channel, kind, p), target, status, phase, p, timeout_ns);
+    }
+    __syncthreads();
+}
+
+// ------------------------------------------------------------------------ last block done
+
+// Every block calls this once at its end. Each thread's earlier stores (also to peers) are made
+// visible system-wide, the block counts itself in `*counter`, and the block that counts last
+// gets true (and resets the counter for the next launch or graph replay). What the last block
+// does afterwards (release-store a flag) is ordered after every block's stores and loads.
+__device__ __forceinline__ bool last_block_done(u64* counter) {
+    __shared__ int is_last;
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence_system();
+        const u64 prev = atomicAdd(counter, 1ull);
+        is_last = prev == static_cast<u64>(gridDim.x) - 1;
+        if (is_last) {
+            atomicExch(counter, 0ull);
+            __threadfence_system();
+        }
+    }
+    __syncthreads();
+    return is_last != 0;
+}
+
+// Copy the peer base addresses into shared memory (called before the first __syncthreads).
+__device__ __forceinline__ void load_peers(i64* s_peer, const i64* peers, int world) {
+    for (int p = threadIdx.x; p < world; p += blockDim.x) s_peer[p] = peers[p];
+}
+
+// Warp-level split of a row into chunks of 32 * VPL vectors (VPL vectors per lane), so several
+// warps can move one row (decode sizes have few rows). Python mirrors kPerRow to size grids
+// (kernels._chunks_per_row); a mismatch there only changes the grid, never the result.
+template <int VPL>
+struct RowChunks {
+    static constexpr int kVecs = 32 * VPL;
+    static constexpr int kPerRow = (ROW_VECS + kVecs - 1) / kVecs;
+};
+
+// ---------------------------------------------------------------- batches of slab rows
+
+// Slab rows ([W * M] of them, K entries each) are scanned by blocks in batches: the block loads a
+// batch's recv_pos (and optionally recv_weight) into shared memory in one pass and lists the rows
+// that carry work, so warps then only touch those rows. Batch q of Q = ceil(rows / BATCH_ROWS)
+// holds the rows q, q + Q, q + 2Q, ...: interleaved, so the rows that carry tokens (the first T_s
+// of each slab) spread evenly over all batches and blocks even when T is much smaller than M.
+#define BATCH_ROWS 32
+
+struct RowBatch {
+    i32 pos[BATCH_ROWS * TOPK];
+    float weight[BATCH_ROWS * TOPK];
+    i32 list[BATCH_ROWS];
+    u32 mask;
+};
+
+__device__ __forceinline__ i64 batch_row(i64 batch, i64 num_batches, int j) { return batch + j * num_batches; }
+
+// Block-wide (every thread calls it; blockDim.x >= 32). Loads the rows of batch `batch` of
+// recv_pos [total_rows, TOPK] (and of recv_weight unless it is null) into `b`, and lists in
+// b.list the indices j (row batch_row(batch, num_batches, j)) of the rows with an entry >= min_pos
+// (min_pos 0: a kept entry; -2: any entry that is not empty). Returns how many were listed.
+// Ends with __syncthreads(); the caller must __syncthreads() before the next call overwrites `b`.
+__device__ __forceinline__ int block_load_rows(RowBatch& b, const i32* __restrict__ recv_pos,
+                                               const float* __restrict__ recv_weight, i64 batch, i64 num_batches,
+                                               i64 total_rows, int min_pos) {
+    for (int i = threadIdx.x; i < BATCH_ROWS * TOPK; i += blockDim.x) {
+        const int j = i / TOPK;
+        const i64 g = batch_row(batch, num_batches, j);
+        const i64 entry = g * TOPK + (i - j * TOPK);
+        const bool inside = g < total_rows;
+        b.pos[i] = inside ? recv_pos[entry] : -1;
+        if (recv_weight != nullptr) b.weight[i] = inside ? recv_weight[entry] : 0.0f;
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        const int j = threadIdx.x;
+        bool carries = false;
+#pragma unroll
+        for (int k = 0; k < TOPK; ++k) carries |= b.pos[j * TOPK + k] >= min_pos;
+        const u32 m = __ballot_sync(FULL_MASK, carries);
+        if (carries) b.list[__popc(m & lanemask_lt())] = j;
+        if (j == 0) b.mask = m;
+    }
+    __syncthreads();
+    return __popc(b.mask);
+}
+
+// The set of ranks a token was sent to, from its send_mask row [world] (bool bytes), as a
+// 64-bit mask. Warp-wide (every lane calls it, same row).
+__device__ __forceinline__ u64 warp_dest_set(const u8* __restrict__ send_mask_row, int world) {
+    const int lane = threadIdx.x & 31;
+    const bool lo = lane < world && send_mask_row[lane] != 0;
+    const bool hi = lane + 32 < world && send_mask_row[lane + 32] != 0;
+    return static_cast<u64>(__ballot_sync(FULL_MASK, lo)) | (static_cast<u64>(__ballot_sync(FULL_MASK, hi)) << 32);
+}

@@ -1,0 +1,408 @@
+"""Launchers of the CUDA kernels in ``moe_comm/csrc`` (one method per ``extern "C"`` entry point).
+
+``DispatchKernels`` launches ``csrc/dispatch.cu`` (``dispatch_send``, ``dispatch_layout``,
+``dispatch_expand``, ``redispatch_send``) and ``CombineKernels`` launches ``csrc/combine.cu``
+(``combine_send``, ``combine_recv``, ``values_send``, ``values_recv``). The protocol each kernel
+follows is stated at the top of its ``.cu`` file. Both classes load every entry point in their
+constructor (compiling it through :mod:`moe_comm.jit` when it is not cached), so a launcher
+never compiles or loads anything: it builds an argument tuple and calls ``cuLaunchKernel`` on
+torch's current stream, which works eagerly and under CUDA-graph capture alike.
+
+This module also holds what the Python side and the kernels must agree on, mirrored in
+``csrc/common.cuh``: the layout of the symmetric allocation (:class:`SymmetricLayout`), the
+local state words, and the timeout phase codes recorded in the status word
+(:data:`TIMEOUT_PHASES`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from . import jit
+from .errors import BackendError
+
+__all__ = [
+    "TIMEOUT_PHASES",
+    "MAX_WORLD_SIZE",
+    "MAX_TOPK",
+    "STATE_WORDS",
+    "SymmetricLayout",
+    "CommArgs",
+    "kernel_defines",
+    "DispatchKernels",
+    "CombineKernels",
+]
+
+# Phase codes of ``status[layout.STATUS_TIMEOUT_PHASE]`` (csrc/common.cuh: TIMEOUT_*). Channel 0
+# carries dispatch and redispatch, channel 1 combine and return_entry_values.
+TIMEOUT_PHASES = {
+    1: "dispatch: waiting for a peer to free its receive slab",
+    2: "dispatch: waiting for a peer's tokens",
+    3: "combine: waiting for a peer to free its return slab",
+    4: "combine: waiting for a peer's partial sums",
+}
+
+MAX_WORLD_SIZE = 64  # csrc/common.cuh MAX_WORLD: destination sets are 64-bit masks
+MAX_TOPK = 32        # one lane per column of topk_idx
+
+# Local (non-symmetric) state, u64 words (csrc/common.cuh STATE_*): [0 + channel] epoch of the
+# last completed operation on the channel, [2 + slot] done-counters of the last-block pattern.
+STATE_WORDS = 16
+
+_CHANNELS = 2
+_FLAG_KINDS = 3  # arrival, count, ack
+_ALIGN = 256
+
+# Block shapes and per-lane vectors per unit (csrc: *_THREADS, *_VPL, BATCH_ROWS). Only grid
+# sizes depend on them here: a mismatch changes how many blocks launch, never a result.
+_SEND_THREADS = 512
+_SEND_VPL = 8
+_EXPAND_THREADS = 512
+_EXPAND_VPL = 8
+_COMBINE_THREADS = 512
+_COMBINE_SEND_VPL = 2
+_COMBINE_RECV_VPL = 4
+_VALUES_THREADS = 512
+_LAYOUT_MAX_THREADS = 1024
+_BATCH_ROWS = 32
+# Dynamic shared memory the layout kernel may use (H100/H200 allow 227 KiB per block).
+_LAYOUT_SHARED_LIMIT = 200 * 1024
+
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int
+_L = ctypes.c_longlong
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _chunks_per_row(row_bytes: int, vectors_per_lane: int) -> int:
+    """csrc RowChunks<VPL>::kPerRow: warps that share one row."""
+    return _cdiv(row_bytes // 16, 32 * vectors_per_lane)
+
+
+def kernel_defines(dtype: torch.dtype, hidden: int, topk: int) -> dict:
+    """The compile-time defines of both kernel files for rows of ``hidden`` ``dtype`` and top-``topk``."""
+    if dtype not in _DTYPE_NAMES:
+        raise BackendError(f"dtype {dtype} has no kernels; expected one of {', '.join(map(str, _DTYPE_NAMES))}")
+    return {"DTYPE": _DTYPE_NAMES[dtype], "HIDDEN": int(hidden), "TOPK": int(topk)}
+
+
+@dataclass(frozen=True)
+class SymmetricLayout:
+    """Byte offsets of the regions of one rank's symmetric allocation (the same on every rank).
+
+    ``W`` ranks, ``M = max_tokens``, ``K = topk``, rows of ``row_bytes``; every region starts at a
+    multiple of 256 bytes.
+
+    * ``flags``    u64 ``[2 channels][3 kinds][W]`` at offset 0: arrival (written by the sender),
+      count (the sender's T), ack (written by the receiver into the sender's memory).
+    * ``meta``     u32 ``[W, M, meta_words]``: slab ``s`` written by source ``s`` in dispatch: K local
+      expert ids (-1 none), then K float32 weights, padded to a multiple of 4 words.
+    * ``ret_vals`` f32 ``[W, M, K]``: slab ``r`` written by destination ``r`` (return_entry_values).
+    * ``recv_x``   ``[W, M, row]``: slab ``s`` written by source ``s`` (dispatch, redispatch).
+    * ``ret_x``    ``[W, M, row]``: slab ``r`` written by destination ``r`` (combine partials).
+    """
+
+    world_size: int
+    max_tokens: int
+    topk: int
+    row_bytes: int
+    meta_words: int
+    flags_offset: int
+    meta_offset: int
+    ret_vals_offset: int
+    recv_x_offset: int
+    ret_x_offset: int
+    nbytes: int
+
+    @classmethod
+    def plan(cls, world_size: int, max_tokens: int, topk: int, row_bytes: int) -> "SymmetricLayout":
+        meta_words = _round_up(2 * topk, 4)
+        slab_rows = world_size * max_tokens
+        offset = 0
+        regions = []
+        for size in (
+            _CHANNELS * _FLAG_KINDS * world_size * 8,
+            slab_rows * meta_words * 4,
+            slab_rows * topk * 4,
+            slab_rows * row_bytes,
+            slab_rows * row_bytes,
+        ):
+            regions.append(offset)
+            offset = _round_up(offset + size, _ALIGN)
+        return cls(world_size, max_tokens, topk, row_bytes, meta_words, *regions, nbytes=offset)
+
+
+@dataclass(frozen=True)
+class CommArgs:
+    """The leading arguments of every kernel: who we are and where the shared state lives.
+
+    peers_ptr: device address of the int64 ``[W]`` peer base addresses; state_ptr: the local u64
+    ``[STATE_WORDS]``; status_ptr: the int64 status word; timeout_ns: bound of every wait.
+    """
+
+    peers_ptr: int
+    rank: int
+    world_size: int
+    max_tokens: int
+    state_ptr: int
+    status_ptr: int
+    timeout_ns: int
+
+    def prefix(self) -> tuple:
+        return (
+            (self.peers_ptr, _P),
+            (self.rank, _I),
+            (self.world_size, _I),
+            (self.max_tokens, _I),
+            (self.state_ptr, _P),
+            (self.status_ptr, _P),
+            (self.timeout_ns, _L),
+        )
+
+
+class DispatchKernels:
+    """Launchers of ``csrc/dispatch.cu`` for one backend (loads every entry point now).
+
+    Args:
+        device: the CUDA device (with an index). defines: :func:`kernel_defines`.
+        args: the common leading arguments. layout: the symmetric allocation's regions.
+        num_experts: E. num_local_experts: L. expert_alignment: A. expert_capacity: C or None.
+        capacity_rows: rows of ``out.x``. num_sms: blocks of the communication kernels.
+        device_sms: the device's SM count (the local expand may use all of them).
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        defines: dict,
+        args: CommArgs,
+        layout: SymmetricLayout,
+        *,
+        num_experts: int,
+        num_local_experts: int,
+        expert_alignment: int,
+        expert_capacity: Optional[int],
+        capacity_rows: int,
+        num_sms: int,
+        device_sms: int,
+    ) -> None:
+        load = lambda entry: jit.load_function(device, "dispatch", entry, defines)  # noqa: E731
+        self._send = load("dispatch_send")
+        self._layout = load("dispatch_layout")
+        self._expand = load("dispatch_expand")
+        self._redispatch = load("redispatch_send")
+        self._prefix = args.prefix()
+        self._world = args.world_size
+        self._max_tokens = args.max_tokens
+        self._topk = layout.topk
+        self._num_sms = num_sms
+        self._send_chunks = _chunks_per_row(layout.row_bytes, _SEND_VPL)
+        self._send_warps = _SEND_THREADS // 32
+
+        self._send_const = self._prefix + ((layout.meta_offset, _L), (layout.recv_x_offset, _L), (num_experts, _I))
+        self._redispatch_const = self._prefix + ((layout.recv_x_offset, _L),)
+
+        # The layout kernel: one block, as many warps as its per-warp counters fit in shared memory.
+        warps = min(_LAYOUT_MAX_THREADS // 32, _LAYOUT_SHARED_LIMIT // (4 * num_local_experts) - 2)
+        if warps < 1:
+            raise BackendError(
+                f"num_local_experts={num_local_experts} is too many for the layout kernel's shared memory; "
+                f"use more ranks or fewer experts"
+            )
+        self._layout_threads = warps * 32
+        self._layout_shared = (warps + 2) * num_local_experts * 4
+        capacity = 2**31 - 1 if expert_capacity is None else min(int(expert_capacity), 2**31 - 1)
+        self._layout_const = self._prefix + (
+            (layout.meta_offset, _L),
+            (num_local_experts, _I),
+            (expert_alignment, _I),
+            (capacity, _I),
+        )
+
+        # The expand: row batches plus padding units, over up to two blocks per SM.
+        expand_chunks = _chunks_per_row(layout.row_bytes, _EXPAND_VPL)
+        row_batches = _cdiv(args.world_size * args.max_tokens, _BATCH_ROWS)
+        pad_units = num_local_experts * (expert_alignment - 1) * expand_chunks
+        expand_warps = _EXPAND_THREADS // 32
+        self._expand_grid = max(1, min(2 * device_sms, max(row_batches, _cdiv(pad_units, expand_warps))))
+        self._redispatch_expand_grid = max(1, min(2 * device_sms, row_batches))
+        self._expand_const = self._prefix + ((layout.recv_x_offset, _L),)
+        self._expand_tail = ((num_local_experts, _I), (expert_alignment, _I))
+        self._capacity_rows = capacity_rows
+
+    def _sender_grid(self, num_tokens: int) -> int:
+        return max(1, min(self._num_sms, _cdiv(num_tokens * self._send_chunks, self._send_warps)))
+
+    def dispatch_send(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        send_mask: torch.Tensor,
+        dest_rank: torch.Tensor,
+    ) -> None:
+        """Source side of dispatch: ``x [T, H]``, ``topk_idx [T, K]`` int32/int64, ``topk_weights [T, K]``
+        float32 in; ``send_mask [T, W]`` bool and ``dest_rank [T, K]`` int32 out (filled by the kernel)."""
+        num_tokens = x.shape[0]
+        self._send.launch(
+            self._sender_grid(num_tokens),
+            _SEND_THREADS,
+            self._send_const
+            + (
+                (x.data_ptr(), _P),
+                (topk_idx.data_ptr(), _P),
+                (1 if topk_idx.dtype == torch.int64 else 0, _I),
+                (topk_weights.data_ptr(), _P),
+                (num_tokens, _I),
+                (send_mask.data_ptr(), _P),
+                (dest_rank.data_ptr(), _P),
+            ),
+        )
+
+    def dispatch_layout(
+        self,
+        recv_pos: torch.Tensor,
+        recv_weight: torch.Tensor,
+        expert_offsets: torch.Tensor,
+        tokens_per_expert: torch.Tensor,
+    ) -> None:
+        """Destination side: waits for every source, writes ``recv_pos``/``recv_weight`` ``[W, M, K]`` and
+        ``expert_offsets``/``tokens_per_expert`` ``[L]`` (int32, float32, int32, int32)."""
+        self._layout.launch(
+            1,
+            self._layout_threads,
+            self._layout_const
+            + (
+                (recv_pos.data_ptr(), _P),
+                (recv_weight.data_ptr(), _P),
+                (expert_offsets.data_ptr(), _P),
+                (tokens_per_expert.data_ptr(), _P),
+            ),
+            shared_bytes=self._layout_shared,
+        )
+
+    def dispatch_expand(
+        self,
+        recv_pos: torch.Tensor,
+        expert_offsets: Optional[torch.Tensor],
+        tokens_per_expert: Optional[torch.Tensor],
+        out_x: torch.Tensor,
+        *,
+        wait_arrivals: bool,
+    ) -> None:
+        """Destination side: received rows -> ``out_x [capacity_rows, H]`` along ``recv_pos``; zeroes the
+        segments' padding when ``expert_offsets``/``tokens_per_expert`` are given; acknowledges channel 0.
+        ``wait_arrivals``: wait for the sources first (redispatch; dispatch's layout kernel already did)."""
+        padding = expert_offsets is not None
+        self._expand.launch(
+            self._expand_grid if padding else self._redispatch_expand_grid,
+            _EXPAND_THREADS,
+            self._expand_const
+            + (
+                (1 if wait_arrivals else 0, _I),
+                (recv_pos.data_ptr(), _P),
+                (self._capacity_rows, _I),
+                (expert_offsets.data_ptr() if padding else 0, _P),
+                (tokens_per_expert.data_ptr() if padding else 0, _P),
+            )
+            + self._expand_tail
+            + ((out_x.data_ptr(), _P),),
+        )
+
+    def redispatch_send(self, x: torch.Tensor, send_mask: torch.Tensor) -> None:
+        """Source side of redispatch: row ``t`` of ``x [T, H]`` to every rank ``r`` with ``send_mask[t, r]``."""
+        num_tokens = x.shape[0]
+        self._redispatch.launch(
+            self._sender_grid(num_tokens),
+            _SEND_THREADS,
+            self._redispatch_const + ((x.data_ptr(), _P), (num_tokens, _I), (send_mask.data_ptr(), _P)),
+        )
+
+
+class CombineKernels:
+    """Launchers of ``csrc/combine.cu`` for one backend (loads every entry point now).
+
+    Args:
+        device, defines, args, layout: as for :class:`DispatchKernels`.
+        capacity_rows: rows of ``y`` (``out.x``'s layout). num_sms: blocks of the kernels.
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        defines: dict,
+        args: CommArgs,
+        layout: SymmetricLayout,
+        *,
+        capacity_rows: int,
+        num_sms: int,
+    ) -> None:
+        load = lambda entry: jit.load_function(device, "combine", entry, defines)  # noqa: E731
+        self._send = load("combine_send")
+        self._recv = load("combine_recv")
+        self._values_send = load("values_send")
+        self._values_recv = load("values_recv")
+        self._topk = layout.topk
+        self._num_sms = num_sms
+        prefix = args.prefix()
+        rows = args.world_size * args.max_tokens
+        self._send_grid = max(1, min(num_sms, _cdiv(rows, _BATCH_ROWS)))
+        self._recv_chunks = _chunks_per_row(layout.row_bytes, _COMBINE_RECV_VPL)
+        self._send_const = prefix + ((layout.ret_x_offset, _L),)
+        self._capacity = ((capacity_rows, _I),)
+        self._recv_const = prefix + ((layout.ret_x_offset, _L),)
+        self._values_send_grid = max(1, min(num_sms, _cdiv(rows * layout.topk, _VALUES_THREADS)))
+        self._values_send_const = prefix + ((layout.ret_vals_offset, _L),)
+        self._values_recv_const = prefix + ((layout.ret_vals_offset, _L),)
+
+    def combine_send(self, y: torch.Tensor, recv_pos: torch.Tensor, recv_weight: torch.Tensor, weighted: bool) -> None:
+        """Destination side: one partial row per carried slab row of ``y [capacity_rows, H]``, to its source."""
+        self._send.launch(
+            self._send_grid,
+            _COMBINE_THREADS,
+            self._send_const
+            + ((y.data_ptr(), _P),)
+            + self._capacity
+            + ((recv_pos.data_ptr(), _P), (recv_weight.data_ptr(), _P), (1 if weighted else 0, _I)),
+        )
+
+    def combine_recv(self, send_mask: torch.Tensor, z: torch.Tensor) -> None:
+        """Source side: ``z [T, H]`` = the sum of the partial rows returned for each token, in rank order."""
+        num_tokens = z.shape[0]
+        grid = max(1, min(self._num_sms, _cdiv(num_tokens * self._recv_chunks, _COMBINE_THREADS // 32)))
+        self._recv.launch(
+            grid,
+            _COMBINE_THREADS,
+            self._recv_const + ((send_mask.data_ptr(), _P), (num_tokens, _I), (z.data_ptr(), _P)),
+        )
+
+    def values_send(self, row_vector: torch.Tensor, recv_pos: torch.Tensor) -> None:
+        """Destination side: ``row_vector [capacity_rows]`` float32, read per entry, to each entry's source."""
+        self._values_send.launch(
+            self._values_send_grid,
+            _VALUES_THREADS,
+            self._values_send_const + ((row_vector.data_ptr(), _P),) + self._capacity + ((recv_pos.data_ptr(), _P),),
+        )
+
+    def values_recv(self, dest_rank: torch.Tensor, out: torch.Tensor) -> None:
+        """Source side: ``out [T, K]`` float32, each assignment's value from its destination (0 if none)."""
+        num_tokens = dest_rank.shape[0]
+        grid = max(1, min(self._num_sms, _cdiv(num_tokens * self._topk, _VALUES_THREADS)))
+        self._values_recv.launch(
+            grid,
+            _VALUES_THREADS,
+            self._values_recv_const + ((dest_rank.data_ptr(), _P), (num_tokens, _I), (out.data_ptr(), _P)),
+        )

@@ -1,0 +1,303 @@
+"""The device backend (kernels on VMM symmetric memory) against the reference backend, bitwise.
+
+Every rank runs the same inputs through a ``vmm`` Dispatcher (GPU) and a ``reference`` Dispatcher
+(CPU, over a gloo group of its own) and compares: the dispatch layout (``out.x`` rows up to
+``expert_offsets[-1]``, offsets, counts, every routing tensor), combine (weighted and not),
+redispatch, return_entry_values and the status word. Then a captured dispatch -> experts ->
+combine step is replayed with fresh inputs, checked against the reference every time.
+
+World sizes, one spawn each (a spawn costs every rank an ``import torch`` and the first NVRTC
+compile): 1 (no peers: every "remote" store is local), 2 (one rank per GPU, NCCL default group)
+and 4 (two ranks per GPU, gloo default group: NCCL refuses two ranks on one GPU; ranks that share a
+GPU exercise the spin-waits under time-slicing and several sources per destination).
+
+Outputs are pre-filled with a sentinel so an unwritten row shows: exactly for graph replays (the
+static outputs are filled before every replay) and best-effort for eager calls (the caching
+allocator is handed blocks of the outputs' sizes filled with the sentinel just before the call).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import moe_comm
+from multirank import run_ranks
+
+pytestmark = pytest.mark.gpu
+
+NUM_EXPERTS = 8
+TOPK = 3                 # odd: metadata rows padded, 10 rows per 32-lane tile in the layout kernel
+HIDDEN = 2056            # 257 16-byte vectors (bf16): partial last chunk in every kernel
+MAX_TOKENS = 40
+ALIGN = 4
+SENTINEL_BYTE = 0x7F     # int32 0x7f7f7f7f, float32 3.4e38, bf16 3.4e38: never a legitimate value
+
+
+def _config(backend: str, dtype: str, **overrides):
+    values = dict(
+        backend=backend,
+        num_experts=NUM_EXPERTS,
+        topk=TOPK,
+        hidden=HIDDEN,
+        max_tokens_per_rank=MAX_TOKENS,
+        dtype=dtype,
+        expert_alignment=ALIGN,
+        num_sms=8,          # several blocks: grid-stride loops and the last-block pattern
+        timeout_s=60.0,
+    )
+    values.update(overrides)
+    return moe_comm.load_config(None, **values)
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bits as integers (so -0.0 != 0.0 and NaN == NaN), on the CPU."""
+    tensor = tensor.detach().cpu().contiguous()
+    if tensor.dtype in (torch.bfloat16, torch.float16):
+        return tensor.view(torch.int16)
+    if tensor.dtype == torch.float32:
+        return tensor.view(torch.int32)
+    return tensor
+
+
+def _assert_bitwise(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    a, b = _bits(got), _bits(want)
+    if not torch.equal(a, b):
+        bad = (a != b).nonzero()
+        raise AssertionError(f"{what}: {bad.shape[0]} element(s) differ, first at {bad[0].tolist()}: "
+                             f"got {got.detach().cpu()[tuple(bad[0])]!r}, want {want[tuple(bad[0])]!r}")
+
+
+def _poison_allocator(shapes_and_dtypes, device) -> None:
+    """Best effort: leave sentinel-filled blocks of these sizes in torch's cache for the next allocations."""
+    blocks = [torch.full((math.prod(shape) * dtype.itemsize,), SENTINEL_BYTE, dtype=torch.uint8, device=device)
+              for shape, dtype in shapes_and_dtypes]
+    del blocks
+
+
+def _fill_sentinel(tensor: torch.Tensor) -> None:
+    if tensor.dtype == torch.bool:
+        tensor.fill_(True)
+    else:
+        tensor.view(torch.uint8).fill_(SENTINEL_BYTE)
+
+
+def _inputs(kind: str, num_tokens: int, world: int, dtype: torch.dtype, generator: torch.Generator):
+    """x [T, H], topk_idx [T, K] (int64), topk_weights [T, K] on the CPU for one scenario."""
+    local = NUM_EXPERTS // world
+    x = torch.randn(num_tokens, HIDDEN, generator=generator).to(dtype)
+    weights = torch.rand(num_tokens, TOPK, generator=generator)
+    idx = torch.topk(torch.randn(num_tokens, NUM_EXPERTS, generator=generator).abs() + 1, TOPK).indices
+    if kind == "minus_one":
+        idx[torch.rand(num_tokens, TOPK, generator=generator) < 0.4] = -1
+        if num_tokens:
+            idx[0] = -1  # a token sent nowhere: combine must give zeros
+    elif kind == "one_expert":
+        idx[:, 0] = NUM_EXPERTS - 1
+        idx[:, 1:] = -1
+    elif kind == "one_rank":  # every assignment on rank 0, repeated experts allowed
+        idx = torch.randint(0, local, (num_tokens, TOPK), generator=generator)
+    elif kind == "invalid":
+        if num_tokens > 3:
+            idx[1, 2] = NUM_EXPERTS + 3
+            idx[3, 0] = -7
+            idx[3, 1] = 1 << 40  # does not fit in int32: must still count as invalid
+    return x, idx, weights
+
+
+def _expert_rows(out, rank: int, world: int, rows_used: torch.Tensor) -> torch.Tensor:
+    """CPU expert outputs: row * (1 + 0.25 * global expert), NaN on every row no kept entry maps to."""
+    local = NUM_EXPERTS // world
+    capacity_rows = out.x.shape[0]
+    rows = torch.arange(capacity_rows, dtype=torch.int32)
+    expert = torch.searchsorted(out.expert_offsets.cpu(), rows, right=True).clamp(max=local - 1)
+    scale = (1 + 0.25 * (rank * local + expert.double())).to(out.x.dtype)
+    y = out.x.cpu() * scale[:, None]
+    return torch.where(rows_used[:, None], y, torch.full_like(y, float("nan")))
+
+
+def _rows_used(recv_pos: torch.Tensor, capacity_rows: int) -> torch.Tensor:
+    used = torch.zeros(capacity_rows, dtype=torch.bool)
+    kept = recv_pos[recv_pos >= 0].long()
+    used[kept] = True
+    return used
+
+
+def _compare_dispatch(out, ref, tag: str) -> None:
+    _assert_bitwise(out.expert_offsets, ref.expert_offsets, f"{tag} expert_offsets")
+    _assert_bitwise(out.tokens_per_expert, ref.tokens_per_expert, f"{tag} tokens_per_expert")
+    end = int(ref.expert_offsets[-1])
+    _assert_bitwise(out.x[:end], ref.x[:end], f"{tag} out.x[:expert_offsets[-1]]")
+    got, want = out.handle.routing, ref.handle.routing
+    assert got.num_tokens == want.num_tokens
+    for name in ("send_mask", "dest_rank", "recv_pos", "recv_weight"):
+        _assert_bitwise(getattr(got, name), getattr(want, name), f"{tag} routing.{name}")
+
+
+def _check_status(dev, ref, tag: str) -> None:
+    got, want = dev.read_status(), ref.read_status()
+    assert got == want, f"{tag}: device status {got} != reference status {want}"
+    if not want.ok:
+        for disp in (dev, ref):
+            with pytest.raises(moe_comm.DeviceStatusError):
+                disp.check()
+    assert dev.read_status().ok and ref.read_status().ok
+
+
+def _eager_step(dev, ref, rank, world, x, idx, weights, generator, tag) -> None:
+    device = dev.device
+    dtype = x.dtype
+    num_tokens = x.shape[0]
+    slab = (world, MAX_TOKENS, TOPK)
+    _poison_allocator([((num_tokens, world), torch.bool), ((num_tokens, TOPK), torch.int32), (slab, torch.int32),
+                       (slab, torch.float32), ((dev.capacity_rows, HIDDEN), dtype)], device)
+    out = dev.dispatch(x.to(device), idx.to(device), weights.to(device))
+    ref_out = ref.dispatch(x, idx, weights)
+    _compare_dispatch(out, ref_out, tag)
+
+    routing, ref_routing = out.handle.routing, ref_out.handle.routing
+    used = _rows_used(ref_routing.recv_pos, ref.capacity_rows)
+    y = _expert_rows(ref_out, rank, world, used)
+    _poison_allocator([((num_tokens, HIDDEN), dtype)], device)
+    _assert_bitwise(dev.combine(y.to(device), out.handle), ref.combine(y, ref_out.handle), f"{tag} combine")
+
+    backend, ref_backend = dev._backend, ref._backend
+    _assert_bitwise(backend.combine(y.to(device), routing, weighted=False),
+                    ref_backend.combine(y, ref_routing, weighted=False), f"{tag} unweighted combine")
+    x2 = torch.randn(num_tokens, HIDDEN, generator=generator).to(dtype)
+    spread = backend.redispatch(x2.to(device), routing).cpu()
+    ref_spread = ref_backend.redispatch(x2, ref_routing)
+    _assert_bitwise(spread[used], ref_spread[used], f"{tag} redispatch (mapped rows)")
+    row_vector = torch.randn(ref.capacity_rows, generator=generator)
+    _assert_bitwise(backend.return_entry_values(row_vector.to(device), routing),
+                    ref_backend.return_entry_values(row_vector, ref_routing), f"{tag} return_entry_values")
+    _check_status(dev, ref, tag)
+
+
+def _eager_scenarios(dev, ref, rank, world, dtype, generator, kinds) -> None:
+    for kind in kinds:
+        num_tokens = MAX_TOKENS - 3 * rank          # T < max_tokens_per_rank except on rank 0
+        if kind == "empty":
+            num_tokens = 0                           # T = 0 on every rank
+        elif kind == "empty_rank" and rank == world - 1:
+            num_tokens = 0                           # one rank sends nothing, still receives
+        x, idx, weights = _inputs(kind, num_tokens, world, dtype, generator)
+        if kind in ("random", "one_rank"):
+            idx = idx.to(torch.int32)                # both index dtypes go through the kernels
+        _eager_step(dev, ref, rank, world, x, idx, weights, generator, f"{kind} ({dtype}, rank {rank})")
+
+
+def _graph_scenarios(dev, ref, rank, world, dtype, generator) -> None:
+    """Two graphs (different T) on one dispatcher, replayed with fresh inputs, eager calls in between."""
+    device = dev.device
+    local = NUM_EXPERTS // world
+    capacity_rows = dev.capacity_rows
+    scale_table = (1 + 0.25 * (rank * local + torch.arange(local, dtype=torch.float64))).to(dtype).to(device)
+    row_index = torch.arange(capacity_rows, dtype=torch.int32, device=device)
+
+    def experts(out):  # static shapes only: capturable
+        expert = torch.searchsorted(out.expert_offsets, row_index, right=True).clamp_(max=local - 1)
+        return out.x * scale_table[expert][:, None]
+
+    graphs = []
+    for num_tokens in (MAX_TOKENS - 1 - rank, 5 + rank):
+        x, idx, weights = _inputs("random", num_tokens, world, dtype, generator)
+        static = dict(x=x.to(device), idx=idx.to(device), weights=weights.to(device))
+        out = dev.dispatch(static["x"], static["idx"], static["weights"])  # eager warm-up of the same calls
+        dev.combine(experts(out), out.handle)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = dev.dispatch(static["x"], static["idx"], static["weights"])
+            z = dev.combine(experts(out), out.handle)
+        graphs.append((graph, static, out, z))
+
+    def replay(which: int, kind: str, tag: str) -> None:
+        graph, static, out, z = graphs[which]
+        num_tokens = static["x"].shape[0]
+        x, idx, weights = _inputs(kind, num_tokens, world, dtype, generator)
+        static["x"].copy_(x)
+        static["idx"].copy_(idx)
+        static["weights"].copy_(weights)
+        routing = out.handle.routing
+        for tensor in (out.x, out.expert_offsets, out.tokens_per_expert, z, routing.send_mask, routing.dest_rank,
+                       routing.recv_pos, routing.recv_weight):
+            _fill_sentinel(tensor)
+        graph.replay()
+        ref_out = ref.dispatch(x, idx, weights)
+        _compare_dispatch(out, ref_out, tag)
+        rows = torch.arange(capacity_rows, dtype=torch.int32)
+        expert = torch.searchsorted(ref_out.expert_offsets, rows, right=True).clamp(max=local - 1)
+        y = ref_out.x * scale_table.cpu()[expert][:, None]
+        _assert_bitwise(z, ref.combine(y, ref_out.handle), f"{tag} combine")
+
+    kinds = ("random", "minus_one", "one_expert", "one_rank")
+    for step in range(50):
+        replay(step % 2, kinds[step % len(kinds)], f"replay {step} ({dtype}, rank {rank})")
+        if step % 10 == 4:  # eager calls between replays share the epochs with the graphs
+            x, idx, weights = _inputs("random", MAX_TOKENS - rank, world, dtype, generator)
+            _eager_step(dev, ref, rank, world, x, idx, weights, generator, f"eager after replay {step}")
+
+    # A burst of replays with no host sync in between, one rank starting late: the device of the
+    # other rank runs ahead and must wait for acks instead of overwriting slabs still being read.
+    graph, static, out, z = graphs[0]
+    if rank == 0:
+        torch.cuda._sleep(50_000_000)  # ~25 ms of GPU time before the burst on rank 0
+    for _ in range(10):
+        graph.replay()
+    ref_out = ref.dispatch(static["x"].cpu(), static["idx"].cpu(), static["weights"].cpu())
+    _compare_dispatch(out, ref_out, "burst")
+    rows = torch.arange(capacity_rows, dtype=torch.int32)
+    expert = torch.searchsorted(ref_out.expert_offsets, rows, right=True).clamp(max=local - 1)
+    y = ref_out.x * scale_table.cpu()[expert][:, None]
+    _assert_bitwise(z, ref.combine(y, ref_out.handle), "burst combine")
+    _check_status(dev, ref, "graphs")
+
+
+def _capacity_scenarios(rank, world, gloo) -> None:
+    """Drops over expert_capacity (single-block kernels: num_sms=1): counts and first offender match."""
+    generator = torch.Generator().manual_seed(500 + rank)
+    with moe_comm.Dispatcher(_config("vmm", "float32", expert_capacity=5, num_sms=1)) as dev, \
+            moe_comm.Dispatcher(_config("reference", "float32", expert_capacity=5, num_sms=1), group=gloo) as ref:
+        assert dev.capacity_rows == ref.capacity_rows
+        _eager_scenarios(dev, ref, rank, world, torch.float32, generator, ("random", "one_expert", "one_rank"))
+
+
+def _timeout_scenario(rank, world, gloo) -> None:
+    """A peer that never dispatches is reported (phase and peer) instead of hanging the device."""
+    dist.barrier(group=gloo)
+    with moe_comm.Dispatcher(_config("vmm", "bfloat16", timeout_s=3.0)) as dev:
+        if rank == 0:
+            x, idx, weights = _inputs("random", 4, world, torch.bfloat16, torch.Generator().manual_seed(1))
+            dev.dispatch(x.to(dev.device), idx.to(dev.device), weights.to(dev.device))
+            torch.cuda.synchronize()
+            with pytest.raises(moe_comm.DeviceStatusError, match=r"timed out.*peer rank 1"):
+                dev.check()
+        dist.barrier(group=gloo)
+
+
+def _rank_main(rank: int, world: int) -> None:
+    gloo = dist.new_group(backend="gloo")
+    for dtype_name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
+        generator = torch.Generator().manual_seed(1000 * world + rank)
+        with moe_comm.Dispatcher(_config("vmm", dtype_name)) as dev, \
+                moe_comm.Dispatcher(_config("reference", dtype_name), group=gloo) as ref:
+            assert dev.backend_name == "vmm" and ref.backend_name == "reference"
+            assert dev.capacity_rows == ref.capacity_rows
+            _eager_scenarios(dev, ref, rank, world, dtype, generator,
+                             ("random", "minus_one", "one_expert", "one_rank", "empty", "empty_rank", "invalid"))
+            _graph_scenarios(dev, ref, rank, world, dtype, generator)
+    _capacity_scenarios(rank, world, gloo)
+    if world == 2:
+        _timeout_scenario(rank, world, gloo)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_device_backend_matches_reference(world, requires_gpus):
+    requires_gpus(min(world, 2))
+    backend = "gloo" if world > 2 else "nccl"  # NCCL refuses two ranks on one GPU
+    run_ranks(_rank_main, world, dist_backend=backend, gpu=True, timeout_s=600)
