@@ -361,7 +361,11 @@ __device__ __forceinline__ int block_load_rows(RowBatch& b, const i32* __restric
         const int j = threadIdx.x;
         bool carries = false;
 #pragma unroll
-        for (int k = 0; k < TOPK; ++k) carries |= b.pos[j * TOPK + k] >= min_pos;
+        for (int k = 0; k < TOPK; ++k) {
+            const int pos = b.pos[j * TOPK + k];
+            // -1 marks an empty entry; with min_pos -2 a dropped entry (-2) still carries its token.
+            carries |= pos != -1 && pos >= min_pos;
+        }
         const u32 m = __ballot_sync(FULL_MASK, carries);
         if (carries) b.list[__popc(m & lanemask_lt())] = j;
         if (j == 0) b.mask = m;
