@@ -77,14 +77,6 @@ class StatusReport:
         return not (self.num_invalid or self.num_dropped or self.timeout_phase)
 
 
-TIMEOUT_PHASES = {
-    1: "dispatch: waiting for a peer to free its receive slab",
-    2: "dispatch: waiting for a peer's tokens",
-    3: "combine: waiting for a peer to free its return slab",
-    4: "combine: waiting for a peer's partial sums",
-}
-
-
 def _offender(key: int) -> Optional[tuple[int, int]]:
     return None if key == layout.NO_OFFENDER else (key >> 32, key & 0xFFFFFFFF)
 
@@ -228,7 +220,7 @@ class Dispatcher:
             first_invalid=_offender(values[layout.STATUS_FIRST_INVALID]),
             num_dropped=values[layout.STATUS_NUM_DROPPED],
             first_dropped=_offender(values[layout.STATUS_FIRST_DROPPED]),
-            timeout_phase=TIMEOUT_PHASES.get(phase, f"phase {phase}") if phase else None,
+            timeout_phase=layout.TIMEOUT_PHASES.get(phase, f"phase {phase}") if phase else None,
             timeout_peer=values[layout.STATUS_TIMEOUT_PEER] if phase else None,
         )
 

@@ -10,8 +10,7 @@ torch's current stream, which works eagerly and under CUDA-graph capture alike.
 
 This module also holds what the Python side and the kernels must agree on, mirrored in
 ``csrc/common.cuh``: the layout of the symmetric allocation (:class:`SymmetricLayout`), the
-local state words, and the timeout phase codes recorded in the status word
-(:data:`TIMEOUT_PHASES`).
+local state words (the timeout phase codes of the status word are ``layout.TIMEOUT_PHASES``).
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ from . import jit
 from .errors import BackendError
 
 __all__ = [
-    "TIMEOUT_PHASES",
     "MAX_WORLD_SIZE",
     "MAX_TOPK",
     "STATE_WORDS",
@@ -36,15 +34,6 @@ __all__ = [
     "DispatchKernels",
     "CombineKernels",
 ]
-
-# Phase codes of ``status[layout.STATUS_TIMEOUT_PHASE]`` (csrc/common.cuh: TIMEOUT_*). Channel 0
-# carries dispatch and redispatch, channel 1 combine and return_entry_values.
-TIMEOUT_PHASES = {
-    1: "dispatch: waiting for a peer to free its receive slab",
-    2: "dispatch: waiting for a peer's tokens",
-    3: "combine: waiting for a peer to free its return slab",
-    4: "combine: waiting for a peer's partial sums",
-}
 
 MAX_WORLD_SIZE = 64  # csrc/common.cuh MAX_WORLD: destination sets are 64-bit masks
 MAX_TOPK = 32        # one lane per column of topk_idx

@@ -111,8 +111,8 @@ def _child(
     writer.close()
     if dist is not None and dist.is_initialized():
         dist.destroy_process_group()
-    faulthandler.unregister(signal.SIGUSR1)
-    stack_file.close()
+    # The stack dump stays registered until exit: a rank that hangs on its way out (a leaked
+    # non-daemon thread, a stuck teardown) is dumped and killed like any other.
 
 
 def _stacks(stack_dir: str, rank: int) -> str:
@@ -121,16 +121,18 @@ def _stacks(stack_dir: str, rank: int) -> str:
     return text or "(no stack dump: the process did not answer SIGUSR1)"
 
 
-def _kill(process, stack_dir: str, rank: int) -> str:
-    """Dump the stacks of a live rank, kill it and reap it; returns the dump."""
-    try:
-        os.kill(process.pid, signal.SIGUSR1)
-        time.sleep(_STACK_DUMP_WAIT_S)
-    except ProcessLookupError:
-        pass
-    process.kill()
-    process.join()
-    return _stacks(stack_dir, rank)
+def _kill_all(processes: dict, stack_dir: str) -> dict[int, str]:
+    """Dump the stacks of live ranks (rank -> process), kill and reap them; returns rank -> stack dump."""
+    for process in processes.values():
+        try:
+            os.kill(process.pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    time.sleep(_STACK_DUMP_WAIT_S)
+    for process in processes.values():
+        process.kill()
+        process.join()
+    return {rank: _stacks(stack_dir, rank) for rank in processes}
 
 
 def run_ranks(
@@ -238,17 +240,16 @@ def run_ranks(
                     failures[rank] = data
                     first_failure = first_failure if first_failure is not None else time.monotonic()
 
-        for rank in sorted(pending):
-            waited = time.monotonic() - start
-            if first_failure is not None and waited < timeout_s:
-                reason = (
-                    f"still running {failure_grace_s:.1f} s after rank {min(failures)} failed "
-                    "(probably waiting on it); killed"
-                )
-            else:
-                reason = f"did not finish within the timeout of {timeout_s:.1f} s (hung); killed"
+        if first_failure is not None and time.monotonic() - start < timeout_s:
+            failed = ", ".join(str(r) for r in sorted(failures))
+            reason = (
+                f"still running {failure_grace_s:.1f} s after rank(s) {failed} failed "
+                "(probably blocked in a collective with them); killed"
+            )
+        else:
+            reason = f"did not finish within the timeout of {timeout_s:.1f} s (hung); killed"
+        for rank, stacks in _kill_all({r: processes[r] for r in sorted(pending)}, stack_dir).items():
             hung.append(rank)
-            stacks = _kill(processes[rank], stack_dir, rank)
             failures[rank] = f"{reason}. Its Python stacks before the kill:\n{stacks}"
 
         # Ranks that reported still have to tear down; one that cannot is a bug worth reporting.
@@ -259,9 +260,9 @@ def run_ranks(
             process.join(max(0.0, teardown_deadline - time.monotonic()))
             if process.is_alive():
                 hung.append(rank)
-                stacks = _kill(process, stack_dir, rank)
-                failures.setdefault(rank, "")
-                failures[rank] += f"\nreturned but did not exit (hung in teardown); killed. Its stacks:\n{stacks}"
+                stacks = _kill_all({rank: process}, stack_dir)[rank]
+                report = f"returned but did not exit (hung in teardown); killed. Its stacks:\n{stacks}"
+                failures[rank] = f"{failures[rank]}\n{report}" if rank in failures else report
             elif process.exitcode != 0 and rank not in failures:
                 failures[rank] = f"returned but exited with code {process.exitcode}"
     finally:

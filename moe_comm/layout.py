@@ -49,6 +49,7 @@ __all__ = [
     "STATUS_TIMEOUT_PHASE",
     "STATUS_TIMEOUT_PEER",
     "NO_OFFENDER",
+    "TIMEOUT_PHASES",
     "Routing",
     "new_status",
     "plan_source",
@@ -72,6 +73,15 @@ STATUS_TIMEOUT_PHASE = 4   # phase code of the first wait that timed out (0: non
 STATUS_TIMEOUT_PEER = 5    # the peer that wait was waiting for
 STATUS_FIELDS = 6
 NO_OFFENDER = (1 << 63) - 1
+
+# Phase codes of ``status[layout.STATUS_TIMEOUT_PHASE]`` (mirrored in csrc/common.cuh: TIMEOUT_*). Channel 0
+# carries dispatch and redispatch, channel 1 combine and return_entry_values.
+TIMEOUT_PHASES = {
+    1: "dispatch: waiting for a peer to free its receive slab",
+    2: "dispatch: waiting for a peer's tokens",
+    3: "combine: waiting for a peer to free its return slab",
+    4: "combine: waiting for a peer's partial sums",
+}
 
 
 @dataclass

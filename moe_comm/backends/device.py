@@ -62,7 +62,7 @@ class DeviceBackend(Backend):
             raise BackendError(f"DeviceBackend needs a CUDA device, got {device!r}")
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        self.name = "device"
+        self.name = "vmm"
         self.config = config
         self.group = group
         self.device = device
@@ -170,7 +170,7 @@ class DeviceBackend(Backend):
             peer = int(self.status[layout.STATUS_TIMEOUT_PEER])
             problem = (
                 f"rank {self.rank} timed out after {cfg.timeout_s} s: "
-                f"{kernels.TIMEOUT_PHASES.get(phase, f'phase {phase}')} (peer rank {peer})"
+                f"{layout.TIMEOUT_PHASES.get(phase, f'phase {phase}')} (peer rank {peer})"
             )
         problems: list = [None] * self.world_size
         dist.all_gather_object(problems, problem, group=self.group)

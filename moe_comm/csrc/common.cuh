@@ -18,7 +18,7 @@
 //                  receiver `peer` once it finished reading what this rank sent it).
 //   * state        u64 [16], local (not symmetric): [0 + channel] epoch of the last completed
 //                  operation on that channel; [2 + slot] done-counters of the last-block pattern.
-//   * timeout phases: TIMEOUT_* below (kernels.TIMEOUT_PHASES).
+//   * timeout phases: TIMEOUT_* below (layout.TIMEOUT_PHASES).
 #pragma once
 
 typedef unsigned char u8;
