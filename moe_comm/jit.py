@@ -136,17 +136,20 @@ def _nvrtc_compile(name: str, source: str, headers: Mapping[str, str], options: 
         encoded = [option.encode() for option in options]
         (compiled,) = nvrtc.nvrtcCompileProgram(program, len(encoded), encoded)
         (log_size,) = check(nvrtc.nvrtcGetProgramLogSize(program), "nvrtcGetProgramLogSize")
-        log = b" " * log_size
+        # NVRTC writes into the buffer: it must be mutable. An immutable ``b" " * n`` would be
+        # overwritten in place, and for n = 1 that is Python's shared one-byte b" " object, which
+        # silently corrupted everything that later pickled a space (gloo object collectives).
+        log = bytearray(log_size)
         check(nvrtc.nvrtcGetProgramLog(program, log), "nvrtcGetProgramLog")
         if compiled != ok:
-            text = log.rstrip(b"\0").decode(errors="replace")
+            text = bytes(log).rstrip(b"\0").decode(errors="replace")
             raise CompileError(
                 f"NVRTC could not compile kernel '{name}' ({compiled.name}); options: {' '.join(options)}\n{text}"
             )
         (cubin_size,) = check(nvrtc.nvrtcGetCUBINSize(program), "nvrtcGetCUBINSize")
-        cubin = b" " * cubin_size
+        cubin = bytearray(cubin_size)
         check(nvrtc.nvrtcGetCUBIN(program, cubin), "nvrtcGetCUBIN")
-        return cubin
+        return bytes(cubin)
     finally:
         nvrtc.nvrtcDestroyProgram(program)
 

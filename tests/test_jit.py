@@ -90,6 +90,17 @@ def test_compile_writes_a_readable_cubin_once(nvrtc, cache):
     assert not [p for p in directory.iterdir() if p.name.endswith(".tmp")], "no temp file left behind"
 
 
+def test_compiling_leaves_python_bytes_objects_intact(nvrtc, cache):
+    # Regression: NVRTC used to write its one-byte log into the immutable ``b" " * 1``, which is
+    # Python's shared b" " object; afterwards every b" " in the process was b"\\0" and gloo's
+    # object collectives (pickle) delivered corrupt data.
+    import pickle
+
+    jit.compile_source("space", arch="sm_90", source='extern "C" __global__ void k(int* p) { p[0] = 1; }')
+    assert (b" " * 1)[0] == 32 and bytes([32])[0] == 32
+    assert pickle.loads(pickle.dumps([b" ", "a b"])) == [bytes([32]), "a b"]
+
+
 def test_every_key_part_gives_its_own_entry(nvrtc, cache):
     directory, calls = cache
     base = jit.compile_source("toy", arch="sm_90", defines={"VALUE": 1}, source=TOY_SOURCE)
