@@ -5,6 +5,7 @@ The names users need live here; everything else is in the submodules.
 
 from .config import Config, load_config
 from .dispatcher import Dispatcher, DispatchHandle, DispatchOutput, StatusReport
+from .layer import MoELayer
 from .errors import (
     BackendError,
     CommTimeoutError,
@@ -22,6 +23,7 @@ __all__ = [
     "DispatchHandle",
     "DispatchOutput",
     "StatusReport",
+    "MoELayer",
     "MoeCommError",
     "ConfigError",
     "InputError",

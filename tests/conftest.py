@@ -1,0 +1,36 @@
+"""Shared pytest setup: the harness importable from every test module, and GPU skips."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+# Test modules import the harness as ``multirank``; make that work whatever the rootdir and
+# import mode, and in the spawned rank processes (they inherit sys.path).
+_TESTS = str(Path(__file__).resolve().parent)
+if _TESTS not in sys.path:
+    sys.path.insert(0, _TESTS)
+
+
+def _cuda_device_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.fixture
+def requires_gpus():
+    """``requires_gpus(n)`` skips the calling test unless this machine has at least ``n`` CUDA GPUs.
+
+    GPU tests also carry ``@pytest.mark.gpu`` so ``pytest -m gpu`` selects them.
+    """
+
+    def require(n: int) -> int:
+        count = _cuda_device_count()
+        if count < n:
+            pytest.skip(f"needs {n} CUDA GPU(s); this machine has {count}")
+        return count
+
+    return require

@@ -1,0 +1,128 @@
+"""The ``moe-comm`` command line: info, run (the main job), compile, and its errors (contract: CLI)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import moe_comm
+from moe_comm import cli, launch
+from moe_comm.verify import CHECKED, StepResult
+
+# Subprocesses import the same moe_comm as this test process (the source tree or an install).
+_PACKAGE_PARENT = str(Path(moe_comm.__file__).resolve().parent.parent)
+
+
+def _command() -> list[str]:
+    """The installed ``moe-comm`` script when it sits beside this Python (CI installs it), else ``python -m``."""
+    script = Path(sys.executable).parent / "moe-comm"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "moe_comm"]
+
+
+def _run(argv: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_PACKAGE_PARENT, os.environ.get("PYTHONPATH")])))
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_module_help_lists_the_commands():
+    result = _run([sys.executable, "-m", "moe_comm", "--help"])
+    assert result.returncode == 0, result.stderr
+    for command in ("info", "run", "compile"):
+        assert command in result.stdout
+
+
+def test_info_lists_every_backend():
+    result = _run(_command() + ["info"])
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    for name in ("vmm", "nvshmem", "nccl", "reference"):
+        assert any(line.split()[:1] == [name] and line.split()[1] in ("usable", "no") for line in lines), name
+    assert any(line.startswith("  reference  usable") for line in lines)
+    assert any(line.startswith("auto -> ") for line in lines)
+    assert "torch " in result.stdout
+
+
+def test_run_two_cpu_ranks_passes():
+    # The README's main job on a CPU machine (fewer tokens than the default to keep CI quick).
+    result = _run(_command() + ["run", "--steps", "2", "--ranks", "2", "--tokens", "32", "--backend", "reference"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    header = lines[0].split()
+    assert header[:2] == ["step", "tokens"] and "result" in header
+    rows = [line.split() for line in lines[1:3]]
+    assert [row[0] for row in rows] == ["0", "1"]
+    assert all(row[1] == "64" and row[-1] == "pass" for row in rows)  # 2 ranks x 32 tokens
+    assert lines[3].startswith("PASS: 2 steps")
+    assert "2 CPU ranks, backend reference" in result.stderr
+
+
+def _step(step: int, rel: float, status: str = "ok") -> StepResult:
+    return StepResult(step=step, tokens=8, abs_err={n: rel for n in CHECKED}, rel_err={n: rel for n in CHECKED},
+                      dispatch_ms=1.0, combine_ms=1.0, step_ms=3.0, status=status)
+
+
+def test_run_fails_on_a_wrong_result_or_a_failed_rank(monkeypatch, capsys):
+    # Feed the table step results from fake ranks: one over the tolerance, one with a device fault.
+    # Step 2 has a NaN on one rank beside a small error on the other: NaN must not hide behind max().
+    fake = [[_step(0, 1e-9), _step(1, 0.5), _step(2, float("nan"))],
+            [_step(0, 1e-9, "1 expert id(s) outside [0, 16)"), _step(1, 1e-9), _step(2, 1e-9)]]
+    monkeypatch.setattr(launch, "run_ranks", lambda *args, **kwargs: fake)
+    assert cli.main(["run", "--backend", "reference", "--steps", "3"]) == 1
+    out = capsys.readouterr().out
+    assert out.count("FAIL") == 4 and "pass" not in out
+    assert "step 0: rank 1: 1 expert id(s) outside" in out
+    assert "step 1: relative errors over 0.02" in out
+    assert "step 2: relative errors over 0.02" in out and "nan" in out
+
+    def failing(*args, **kwargs):
+        raise launch.RankFailureError("1 of 2 ranks failed:\n--- rank 1 ---\nTraceback: boom", {1: "boom"}, [])
+
+    monkeypatch.setattr(launch, "run_ranks", failing)
+    assert cli.main(["run", "--backend", "reference"]) == 1
+    assert "rank 1" in capsys.readouterr().err
+
+
+def test_bad_config_is_a_clear_usage_error(tmp_path, capsys):
+    missing = tmp_path / "nope.yaml"
+    assert cli.main(["run", "--config", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert str(missing) in err and "does not exist" in err
+    bad_key = tmp_path / "bad.yaml"
+    bad_key.write_text("num_expert: 8\n")
+    assert cli.main(["run", "--config", str(bad_key)]) == 2
+    assert "num_expert" in capsys.readouterr().err
+    # 16 experts cannot be split over 3 ranks: refused before any rank starts.
+    assert cli.main(["run", "--backend", "reference", "--ranks", "3"]) == 2
+    assert "multiple of the world size (3)" in capsys.readouterr().err
+    assert cli.main(["run", "--backend", "reference", "--tokens", "100000"]) == 2
+    assert "--tokens" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["run", "--steps", "0"])
+    assert exit_info.value.code == 2
+
+
+def test_compile_reports_arch_and_nvrtc_errors(monkeypatch, capsys):
+    from moe_comm import jit
+    from moe_comm.errors import CompileError
+
+    assert cli.main(["compile", "--arch", "sm_9x"]) == 2
+    assert "sm_9x" in capsys.readouterr().err
+
+    def no_nvrtc():
+        raise CompileError("NVRTC is not available: Failure finding libnvrtc.so.13; install nvidia-cuda-nvrtc")
+
+    monkeypatch.setattr(jit, "nvrtc_version", no_nvrtc)
+    assert cli.main(["compile", "--arch", "sm_90"]) == 1
+    assert "NVRTC is not available" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_run_on_every_gpu(requires_gpus):
+    requires_gpus(2)
+    result = _run(_command() + ["run", "--steps", "3"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "GPU ranks" in result.stderr and "PASS: 3 steps" in result.stdout

@@ -1,0 +1,108 @@
+"""The multi-rank harness itself (CPU, gloo): results, failures and hangs are reported, nothing is left behind."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from moe_comm.launch import MULTICAST_OFF_ENV
+from multirank import run_ranks
+
+
+def _gone(pid: int) -> bool:
+    """True when no process (not even a zombie waiting to be reaped) has this id."""
+    return not Path(f"/proc/{pid}").exists()
+
+
+def _report(rank, world_size, token):
+    started = time.monotonic()  # CLOCK_MONOTONIC: comparable across processes on one host
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, rank * 10)
+    env = {name: os.environ.get(name) for name in [*MULTICAST_OFF_ENV, "MOE_COMM_TEST_VAR", "MASTER_PORT"]}
+    return {"rank": rank, "world": world_size, "token": token, "gathered": gathered, "env": env,
+            "pid": os.getpid(), "started": started}
+
+
+def test_results_in_rank_order_with_env_and_delay():
+    # Rank 0 is delayed so it starts fn last: the results must still come back in rank order.
+    results = run_ranks(_report, 3, "tok", delay_rank=(0, 1.0), env={"MOE_COMM_TEST_VAR": "yes"}, timeout_s=60)
+    assert [r["rank"] for r in results] == [0, 1, 2]
+    assert results[0]["started"] > max(results[1]["started"], results[2]["started"]) + 0.5
+    for r in results:
+        assert r["world"] == 3 and r["token"] == "tok"
+        assert r["gathered"] == [0, 10, 20]  # the process group works across all ranks
+        assert r["env"]["MOE_COMM_TEST_VAR"] == "yes"
+        assert all(r["env"][name] == value for name, value in MULTICAST_OFF_ENV.items())
+        assert r["env"]["MASTER_PORT"] == results[0]["env"]["MASTER_PORT"]
+        assert _gone(r["pid"])
+    # The parent's own environment is left alone.
+    assert "MOE_COMM_TEST_VAR" not in os.environ
+
+
+def _fail_some(rank, world_size):
+    if rank == 1:
+        raise ValueError("rank one broke on purpose")
+    if rank == 2:
+        raise KeyError("rank two broke on purpose")
+    # Rank 0 waits for the others in a collective that never completes: the harness must not
+    # wait for the full timeout once a rank has failed.
+    dist.barrier()
+    return "unreachable"
+
+
+def test_every_failing_rank_is_reported():
+    start = time.monotonic()
+    with pytest.raises(AssertionError) as info:
+        run_ranks(_fail_some, 3, timeout_s=90, failure_grace_s=3.0)
+    message = str(info.value)
+    assert "--- rank 1 ---" in message and "ValueError: rank one broke on purpose" in message
+    assert "--- rank 2 ---" in message and "KeyError: 'rank two broke on purpose'" in message
+    assert "in _fail_some" in message  # a real traceback, not just the exception text
+    assert "--- rank 0 ---" in message  # blocked in the barrier: an error from gloo, or killed after the grace
+    assert time.monotonic() - start < 60
+
+
+def _sleep_forever():
+    while True:
+        time.sleep(0.05)
+
+
+def _hang(rank, world_size, pid_dir):
+    Path(pid_dir, f"{rank}.pid").write_text(str(os.getpid()))
+    if rank == 1:
+        _sleep_forever()
+    # Rank 0 returns but leaves a non-daemon thread behind, so its process cannot exit.
+    threading.Thread(target=_sleep_forever, name="leaked").start()
+    return rank
+
+
+def test_hanging_ranks_are_killed_and_named(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(AssertionError) as info:
+        # 15 s leaves the healthy rank room for its `import torch` on a busy 2-core machine.
+        run_ranks(_hang, 2, str(tmp_path), timeout_s=15)
+    elapsed = time.monotonic() - start
+    message = str(info.value)
+    assert "2 of 2 ranks failed" in message
+    rank0, rank1 = message.split("--- rank 1 ---")
+    assert "hung" in rank1 and "in _hang" in rank1  # the stack dump shows where it hung
+    assert "returned but did not exit" in rank0 and "_sleep_forever" in rank0
+    assert elapsed < 35
+    for rank in (0, 1):
+        assert _gone(int((tmp_path / f"{rank}.pid").read_text()))
+
+
+def _unpicklable(rank, world_size):
+    return lambda: rank
+
+
+def test_unpicklable_result_and_function_are_errors():
+    with pytest.raises(AssertionError, match="could not be pickled"):
+        run_ranks(_unpicklable, 1, timeout_s=60)
+    with pytest.raises(TypeError, match="picklable"):
+        run_ranks(lambda rank, world: rank, 1)
