@@ -29,8 +29,8 @@ GPU_BACKENDS = ("vmm", "nvshmem", "nccl")
 # part of this version of moe_comm.
 _BACKEND_MODULES = {
     "vmm": ("moe_comm.backends.device", "moe_comm.symm.vmm"),
-    "nvshmem": ("moe_comm.backends.device", "moe_comm.symm.nvshmem"),
-    "nccl": ("moe_comm.symm.nccl",),
+    "nvshmem": ("moe_comm.backends.device", "moe_comm.symm.torch_symm"),
+    "nccl": ("moe_comm.backends.collective", "moe_comm.backends.device", "moe_comm.symm.torch_symm"),
 }
 
 
@@ -109,20 +109,20 @@ def _probe_vmm() -> tuple[bool, str]:
 def _probe_nvshmem() -> tuple[bool, str]:
     missing = _missing_modules("nvshmem")
     if missing:
-        return False, f"planned; not in this version of moe_comm (missing {', '.join(missing)})"
+        return False, f"not in this version of moe_comm (missing {', '.join(missing)})"
     if _cuda_count() == 0:
         return False, _no_cuda_reason()
     from torch.distributed import _symmetric_memory as symm_mem
 
     if not symm_mem.is_nvshmem_available():
         return False, "torch's NVSHMEM symmetric-memory backend is not available (nvidia-nvshmem not importable?)"
-    return True, "torch's NVSHMEM symmetric memory"
+    return True, "torch's NVSHMEM symmetric memory, transport p2p (the put transport is not in this version)"
 
 
 def _probe_nccl() -> tuple[bool, str]:
     missing = _missing_modules("nccl")
     if missing:
-        return False, f"planned; not in this version of moe_comm (missing {', '.join(missing)})"
+        return False, f"not in this version of moe_comm (missing {', '.join(missing)})"
     if _cuda_count() == 0:
         return False, _no_cuda_reason()
     import torch
@@ -130,7 +130,7 @@ def _probe_nccl() -> tuple[bool, str]:
 
     if not dist.is_nccl_available():
         return False, "torch.distributed has no NCCL backend"
-    return True, f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}"
+    return True, f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}: transports collective and symmetric"
 
 
 _PROBES = {"vmm": _probe_vmm, "nvshmem": _probe_nvshmem, "nccl": _probe_nccl, "reference": _probe_reference}
@@ -215,11 +215,12 @@ def _plan_ranks(config, requested_ranks: Optional[int]) -> tuple[int, bool, str]
 
 
 def _resolved_backend(config, gpu: bool) -> str:
+    """The backend ``config`` resolves to for ranks of this host only (what ``info`` and ``run`` start)."""
     import torch
 
-    from .backends import resolve_backend_name
+    from .backends import host_identity, resolve_backend_name
 
-    return resolve_backend_name(config, torch.device("cuda", 0) if gpu else torch.device("cpu"))
+    return resolve_backend_name(config, torch.device("cuda", 0) if gpu else torch.device("cpu"), [host_identity()])
 
 
 def _default_ffn_hidden(hidden: int) -> int:

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from . import layout
 from .autograd import combine_with_grad, dispatch_with_grad
-from .backends import create_backend, resolve_backend_name
+from .backends import create_backend, host_identity, resolve_backend_name
 from .config import Config
 from .errors import ConfigError, DeviceStatusError, InputError, MoeCommError
 
@@ -127,26 +127,28 @@ class Dispatcher:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         config.check_world(self.world_size)
-        self._check_same_config()
+        hosts = self._check_same_config()
         cuda_wanted = config.backend not in ("reference",) and torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda_wanted else torch.device("cpu")
-        self.backend_name = resolve_backend_name(config, self.device)
+        self.backend_name = resolve_backend_name(config, self.device, hosts)
         self.num_local_experts = config.experts_per_rank(self.world_size)
         self.capacity_rows = config.capacity_rows(self.world_size)
         self._id = next(_dispatcher_ids)
         self._backend = create_backend(self.backend_name, config, group, self.device)
         self._closed = False
 
-    def _check_same_config(self) -> None:
-        fingerprints: list = [None] * self.world_size
-        dist.all_gather_object(fingerprints, self.config.fingerprint(), group=self.group)
-        if len(set(fingerprints)) > 1:
-            mine = self.config.fingerprint()
-            others = [r for r, f in enumerate(fingerprints) if f != mine]
+    def _check_same_config(self) -> list[tuple[str, str]]:
+        """Compare the config fingerprints of all ranks (one gather); returns every rank's host identity."""
+        mine = self.config.fingerprint()
+        gathered: list = [None] * self.world_size
+        dist.all_gather_object(gathered, (mine, host_identity()), group=self.group)
+        others = [r for r, (fingerprint, _) in enumerate(gathered) if fingerprint != mine]
+        if others:
             raise ConfigError(
                 f"Dispatcher config differs between ranks: rank {self.rank} has fingerprint {mine}, "
                 f"ranks {others} have another; every rank must build its Dispatcher from the same config"
             )
+        return [host for _, host in gathered]
 
     def _live_backend(self):
         if self._closed:

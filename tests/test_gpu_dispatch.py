@@ -301,3 +301,30 @@ def test_device_backend_matches_reference(world, requires_gpus):
     requires_gpus(min(world, 2))
     backend = "gloo" if world > 2 else "nccl"  # NCCL refuses two ranks on one GPU
     run_ranks(_rank_main, world, dist_backend=backend, gpu=True, timeout_s=600)
+
+
+def _other_backend_main(rank: int, world: int, backend: str, section: dict) -> None:
+    gloo = dist.new_group(backend="gloo")
+    for dtype_name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
+        generator = torch.Generator().manual_seed(2000 * world + rank)
+        with moe_comm.Dispatcher(_config(backend, dtype_name, **section)) as dev, \
+                moe_comm.Dispatcher(_config("reference", dtype_name), group=gloo) as ref:
+            assert dev.backend_name == backend and dev.capacity_rows == ref.capacity_rows
+            _eager_scenarios(dev, ref, rank, world, dtype, generator,
+                             ("random", "minus_one", "one_expert", "one_rank", "empty", "empty_rank", "invalid"))
+            _graph_scenarios(dev, ref, rank, world, dtype, generator)
+
+
+# One spawn per transport: torch's symmetric-memory provider is chosen once per process.
+@pytest.mark.parametrize(
+    "backend, section",
+    [
+        ("nccl", {"nccl": {"transport": "collective"}}),
+        ("nccl", {"nccl": {"transport": "symmetric"}}),
+        ("nvshmem", {"nvshmem": {"transport": "p2p"}}),
+    ],
+    ids=["nccl-collective", "nccl-symmetric", "nvshmem-p2p"],
+)
+def test_other_backends_match_reference(backend, section, requires_gpus):
+    requires_gpus(2)
+    run_ranks(_other_backend_main, 2, backend, section, dist_backend="nccl", gpu=True, timeout_s=300)

@@ -1,27 +1,54 @@
-"""Backends: how symmetric memory is shared and how bytes move. The routing math is in ``moe_comm.layout``."""
+"""Backends: how symmetric memory is shared and how bytes move. The routing math is in ``moe_comm.layout``.
 
-from .base import Backend, DispatchResult, resolve_backend_name
+| name        | transport                          | memory peers write                   |
+|-------------|------------------------------------|--------------------------------------|
+| reference   | all_to_all_single, gloo, CPU       | none (collective)                    |
+| nccl        | collective: all_to_all_single, NCCL | none (collective)                   |
+| nccl        | symmetric: device kernels          | NCCL symmetric memory windows        |
+| nvshmem     | p2p: device kernels                | NVSHMEM symmetric heap               |
+| vmm         | device kernels                     | own CUDA VMM allocation, fds shared  |
+"""
 
-__all__ = ["Backend", "DispatchResult", "resolve_backend_name", "create_backend"]
+import functools
+
+from ..errors import BackendError
+from .base import Backend, DispatchResult, host_identity, resolve_backend_name
+
+__all__ = ["Backend", "DispatchResult", "host_identity", "resolve_backend_name", "create_backend"]
 
 
-def create_backend(name: str, config, group, device):
+def create_backend(name: str, config, group, device) -> Backend:
     """Build the backend ``name`` (already resolved from ``auto``) for ``group`` on ``device``.
 
     Imports lazily so a CPU-only install never loads the GPU stack.
-    """
-    if name == "reference":
-        from .reference import ReferenceBackend
 
-        return ReferenceBackend(config, group, device)
+    Raises:
+        BackendError: the backend cannot run here (the message says why and what to use instead).
+    """
+    if name == "reference" or (name == "nccl" and config.nccl.transport == "collective"):
+        from .collective import CollectiveBackend
+
+        return CollectiveBackend(config, group, device, name)
+    if device.type != "cuda":
+        raise BackendError(f"backend {name!r} needs CUDA GPUs; this process has none (use 'reference' on CPU)")
+    from .device import DeviceBackend
+
     if name == "vmm":
-        from .device import DeviceBackend
         from ..symm.vmm import VmmSymmetricMemory
 
-        return DeviceBackend(config, group, device, VmmSymmetricMemory)
-    from ..errors import BackendError
+        factory = functools.partial(VmmSymmetricMemory, fd_passing=config.vmm.fd_passing)
+    elif name == "nvshmem":
+        if config.nvshmem.transport == "put":
+            raise BackendError(
+                "nvshmem.transport 'put' (device-initiated NVSHMEM puts, for peers on other nodes) is not available "
+                "in this version; use nvshmem.transport 'p2p' inside one NVLink domain, or backend 'nccl' with "
+                "nccl.transport 'collective' across nodes"
+            )
+        from ..symm.torch_symm import TorchSymmetricMemory
 
-    raise BackendError(
-        f"backend {name!r} is not available in this version of moe_comm; use 'vmm' on one host "
-        "or 'reference' on CPU"
-    )
+        factory = functools.partial(TorchSymmetricMemory, provider="NVSHMEM")
+    else:
+        from ..symm.torch_symm import TorchSymmetricMemory
+
+        factory = functools.partial(TorchSymmetricMemory, provider="NCCL")
+    return DeviceBackend(config, group, device, factory, name)

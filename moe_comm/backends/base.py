@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import abc
 import logging
+import socket
 from dataclasses import dataclass
+from typing import Sequence
 import torch
 
 from ..config import Config
 from ..layout import Routing
 
-__all__ = ["Backend", "DispatchResult", "resolve_backend_name"]
+__all__ = ["Backend", "DispatchResult", "host_identity", "resolve_backend_name"]
 
 _log = logging.getLogger("moe_comm")
 
@@ -62,12 +64,33 @@ class Backend(abc.ABC):
         """Release what the backend holds; idempotent."""
 
 
-def resolve_backend_name(config: Config, device: torch.device) -> str:
-    """The backend a config names, with ``auto`` resolved for ``device``; logs the choice and why."""
+def host_identity() -> tuple[str, str]:
+    """``(hostname, boot id)`` of this machine: ranks with equal identities share a host."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as handle:
+            boot_id = handle.read().strip()
+    except OSError:
+        boot_id = ""
+    return socket.gethostname(), boot_id
+
+
+def resolve_backend_name(config: Config, device: torch.device, hosts: Sequence[tuple[str, str]]) -> str:
+    """The backend a config names, with ``auto`` resolved; logs the choice and why.
+
+    Args:
+        config: the config. device: the dispatcher's device.
+        hosts: every rank's :func:`host_identity`, in rank order.
+    """
     if config.backend != "auto":
         return config.backend
     if device.type != "cuda":
         _log.info("backend auto -> reference: the dispatcher's device is %s, not a GPU", device)
         return "reference"
-    _log.info("backend auto -> vmm: CUDA device %s; vmm shares memory between the GPUs of one host", device)
-    return "vmm"
+    if len(set(hosts)) == 1:
+        _log.info("backend auto -> vmm: every rank is on this host, so CUDA VMM memory can be shared between them")
+        return "vmm"
+    _log.info(
+        "backend auto -> nccl (collective transport): the ranks span %d hosts, where vmm cannot reach and "
+        "nvshmem's peer mappings do not hold", len(set(hosts))
+    )
+    return "nccl"

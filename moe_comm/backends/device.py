@@ -49,20 +49,23 @@ class DeviceBackend(Backend):
     Args:
         config: the validated config. group: the process group (its host-side collectives carry
             the setup; every rank must be on this host). device: this rank's CUDA device.
-        memory_cls: the symmetric memory class, called as
-            ``memory_cls(group, device, nbytes, timeout_s=..., fd_passing=...)``.
+        memory_factory: makes the symmetric allocation, called as
+            ``memory_factory(group, device, nbytes, timeout_s=...)`` (a ``SymmetricMemory``).
+        name: the backend name users chose (``vmm``, ``nvshmem``, ``nccl``).
 
     Raises:
         BackendError: the sizes do not fit the kernels, a kernel does not compile on some rank, or
             the warm-up step did not complete (a peer did not answer within ``timeout_s``).
     """
 
-    def __init__(self, config: Config, group, device: torch.device, memory_cls: Callable[..., Any]) -> None:
+    def __init__(
+        self, config: Config, group, device: torch.device, memory_factory: Callable[..., Any], name: str
+    ) -> None:
         if not isinstance(device, torch.device) or device.type != "cuda":
             raise BackendError(f"DeviceBackend needs a CUDA device, got {device!r}")
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        self.name = "vmm"
+        self.name = name
         self.config = config
         self.group = group
         self.device = device
@@ -82,8 +85,8 @@ class DeviceBackend(Backend):
         self.status = layout.new_status(device)
         # u64 state words (epochs, done-counters): zero, like the flags of a fresh allocation.
         self._state = torch.zeros(kernels.STATE_WORDS, dtype=torch.int64, device=device)
-        self._memory = memory_cls(
-            group, device, self.layout.nbytes, timeout_s=config.timeout_s, fd_passing=config.vmm.fd_passing
+        self._memory = memory_factory(
+            group, device, self.layout.nbytes, timeout_s=config.timeout_s
         )
         try:
             self._setup_kernels()

@@ -1,8 +1,17 @@
-"""The ``reference`` backend: the routing math of ``moe_comm.layout`` with ``all_to_all_single``.
+"""Collective backends: the routing math of ``moe_comm.layout`` with ``all_to_all_single``.
 
 Every exchange moves fixed ``[W, M, ...]`` slabs (one per peer, ``M = max_tokens_per_rank``
-rows), so shapes never depend on the routing. It runs on CPU tensors over gloo and is the
-yardstick every other backend is compared with.
+rows), so shapes never depend on the routing and no count has to reach the host. Two backends
+are this one class:
+
+* ``reference``: CPU tensors over a gloo group; the yardstick every other backend is compared with.
+* ``nccl`` with ``transport: collective``: CUDA tensors over an NCCL group. Works across nodes and
+  is captured in a CUDA graph like any NCCL call.
+
+NOTE: what the collective transport costs: it moves whole slabs, ``W * M`` rows each way per
+exchange whatever the routing (a padded, capacity-sized all-to-all), plus two small metadata
+exchanges in dispatch, and runs the layout as a chain of small torch kernels; the device
+kernels of ``vmm``/``nvshmem``/``nccl symmetric`` move only the rows that are sent.
 """
 
 from __future__ import annotations
@@ -12,22 +21,34 @@ import torch.distributed as dist
 
 from .. import layout
 from ..config import Config
+from ..errors import BackendError
 from .base import Backend, DispatchResult
 
-__all__ = ["ReferenceBackend"]
+__all__ = ["CollectiveBackend"]
 
 
-class ReferenceBackend(Backend):
+class CollectiveBackend(Backend):
     """Dispatch/combine with ``torch.distributed.all_to_all_single`` on padded slabs.
 
     Args:
-        config: the validated config. group: the process group (gloo for CPU tensors).
-        device: where the tensors live (``cpu`` with gloo).
+        config: the validated config. group: the process group (gloo for CPU tensors, NCCL
+            for CUDA tensors). device: where the tensors live.
+        name: the backend name users chose (``reference`` or ``nccl``).
+
+    Raises:
+        BackendError: the group cannot move tensors of ``device`` (e.g. CPU tensors on an
+            NCCL-only group).
     """
 
-    name = "reference"
-
-    def __init__(self, config: Config, group, device: torch.device) -> None:
+    def __init__(self, config: Config, group, device: torch.device, name: str) -> None:
+        self.name = name
+        needed = "gloo" if device.type == "cpu" else "nccl"
+        group_backend = str(dist.get_backend(group))
+        if needed not in group_backend:
+            raise BackendError(
+                f"backend {name!r} moves {device.type} tensors and needs a process group with {needed}; the group's "
+                f"backend is {group_backend!r} (pass group=torch.distributed.new_group(backend={needed!r}))"
+            )
         self.config = config
         self.group = group
         self.device = device
@@ -36,6 +57,18 @@ class ReferenceBackend(Backend):
         self.num_local_experts = config.experts_per_rank(self.world_size)
         self.capacity_rows = config.capacity_rows(self.world_size)
         self.status = layout.new_status(device)
+        if device.type == "cuda":
+            # NCCL calls are captured into a CUDA graph only after they ran once on the stream;
+            # one empty step here keeps that warm-up out of the user's first capture.
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        cfg = self.config
+        empty = torch.empty((0, cfg.hidden), dtype=cfg.torch_dtype, device=self.device)
+        result = self.dispatch(empty, torch.empty((0, cfg.topk), dtype=torch.int64, device=self.device),
+                               torch.empty((0, cfg.topk), dtype=torch.float32, device=self.device))
+        self.combine(result.x, result.routing)
+        torch.cuda.synchronize(self.device)
 
     def _exchange(self, slabs: torch.Tensor) -> torch.Tensor:
         """Send slab ``r`` of ``slabs [W, ...]`` to rank ``r``; slab ``s`` of the result came from rank ``s``."""

@@ -1,0 +1,132 @@
+"""Symmetric memory from PyTorch's symmetric-memory allocators (NVSHMEM or NCCL windows).
+
+``torch.distributed._symmetric_memory`` allocates one buffer per rank on the chosen provider's
+heap and ``rendezvous`` returns every peer's address (``buffer_ptrs``, from ``nvshmem_ptr`` or
+NCCL's window mapping); the device kernels then read and write peers exactly as with ``vmm``.
+This reaches the peers that the provider can map into this process: the GPUs of one NVLink
+domain.
+
+Facts this relies on (PLATFORM.md): the provider is chosen once per process with
+``set_backend`` before the first allocation; ``empty`` is collective and needs a device with an
+explicit index; NCCL needs one ordinary collective on the group before the first rendezvous.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..errors import BackendError
+from .base import SymmetricMemory
+
+__all__ = ["PROVIDERS", "TorchSymmetricMemory"]
+
+PROVIDERS = ("NVSHMEM", "NCCL")
+
+
+def _symm_mem():
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+    except ImportError as exc:
+        raise BackendError(f"this torch build has no symmetric memory (torch.distributed._symmetric_memory): {exc}")
+    return symm_mem
+
+
+def _select_provider(symm_mem, provider: str) -> None:
+    """Pick the process-wide allocator, or explain why another one is already in use."""
+    get_backend = getattr(symm_mem, "get_backend", None)  # absent from some torch releases
+    current = get_backend(torch.device("cuda", torch.cuda.current_device())) if get_backend else None
+    if current == provider:
+        return
+    try:
+        symm_mem.set_backend(provider)
+    except Exception as exc:  # torch refuses a switch after the first allocation
+        raise BackendError(
+            f"cannot use {provider} symmetric memory in this process: torch's symmetric memory already uses "
+            f"{current!r} ({exc}); one process can use one provider: build every Dispatcher of a process with the "
+            "same backend"
+        ) from exc
+
+
+class TorchSymmetricMemory(SymmetricMemory):
+    """``nbytes`` on every rank of ``group`` from torch's ``provider`` (``NVSHMEM`` or ``NCCL``) allocator.
+
+    Collective: every rank calls it with the same arguments in the same order.
+
+    Args:
+        group: the process group (None: the default group); its ranks must share an NVLink domain.
+        device: this rank's CUDA device (an index is filled in if missing).
+        nbytes: bytes per rank.
+        timeout_s: kept for the common constructor signature; torch's rendezvous is bounded by the
+            group's own timeout.
+        provider: ``NVSHMEM`` or ``NCCL``.
+
+    Raises:
+        BackendError: the provider is not available in this torch build, another provider is
+            already in use in this process, or a peer's memory cannot be mapped here.
+    """
+
+    def __init__(self, group: Optional[dist.ProcessGroup], device: torch.device, nbytes: int, *,
+                 timeout_s: float, provider: str) -> None:
+        if provider not in PROVIDERS:
+            raise BackendError(f"provider: got {provider!r}, expected one of {PROVIDERS}")
+        del timeout_s  # see the docstring
+        self._closed = False
+        self.provider = provider
+        self.device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.nbytes = nbytes
+        group = group if group is not None else dist.group.WORLD
+        symm_mem = _symm_mem()
+        if provider == "NVSHMEM" and not symm_mem.is_nvshmem_available():
+            raise BackendError(
+                "NVSHMEM is not available to torch here (symm_mem.is_nvshmem_available() is False); install the "
+                "nvidia-nvshmem wheel matching torch's CUDA (the nvshmem or nvshmem-cu13 extra) or pick vmm or nccl"
+            )
+        with torch.cuda.device(self.device):
+            _select_provider(symm_mem, provider)
+            if provider == "NCCL":
+                # NCCL refuses a rendezvous as the communicator's first operation.
+                dist.barrier(group=group, device_ids=[self.device.index])
+            try:
+                self._buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device)
+                self._buffer.zero_()
+                self._handle = symm_mem.rendezvous(self._buffer, group.group_name)
+            except Exception as exc:
+                raise BackendError(f"{provider} symmetric memory setup failed on rank {self.rank}: {exc}") from exc
+            self._peer_ptrs = [int(p) for p in self._handle.buffer_ptrs]
+            if any(p == 0 for p in self._peer_ptrs):
+                missing = [r for r, p in enumerate(self._peer_ptrs) if p == 0]
+                raise BackendError(
+                    f"rank {self.rank} cannot map the {provider} memory of rank(s) {missing} (no NVLink path); "
+                    "use the nccl backend's collective transport across nodes"
+                )
+            self._peer_ptrs_tensor = torch.tensor(self._peer_ptrs, dtype=torch.int64, device=self.device)
+            torch.cuda.synchronize(self.device)
+
+    @property
+    def peer_ptrs(self) -> list[int]:
+        self._check_open()
+        return list(self._peer_ptrs)
+
+    @property
+    def peer_ptrs_tensor(self) -> torch.Tensor:
+        self._check_open()
+        return self._peer_ptrs_tensor
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Drop this object's references; torch frees the buffer when no tensor refers to it. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        torch.cuda.synchronize(self.device)
+        self._handle = None
+        self._buffer = None
+        self._peer_ptrs_tensor = None

@@ -1,0 +1,52 @@
+"""Which backend ``auto`` picks, and the errors a backend gives when it cannot run here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moe_comm
+from moe_comm.backends import create_backend, resolve_backend_name
+from moe_comm.backends.collective import CollectiveBackend
+from multirank import run_ranks
+
+ONE_HOST = [("node0", "boot-a"), ("node0", "boot-a")]
+TWO_HOSTS = [("node0", "boot-a"), ("node1", "boot-b")]
+
+
+@pytest.mark.parametrize(
+    "device, hosts, expected",
+    [
+        (torch.device("cpu"), ONE_HOST, "reference"),      # no GPU: the CPU reference
+        (torch.device("cuda", 0), ONE_HOST, "vmm"),        # one host: own VMM memory over NVLink
+        (torch.device("cuda", 0), TWO_HOSTS, "nccl"),      # several hosts: NCCL's collective transport
+    ],
+)
+def test_auto_choice(device, hosts, expected):
+    assert resolve_backend_name(moe_comm.load_config(None, backend="auto"), device, hosts) == expected
+
+
+def test_an_explicit_backend_is_kept():
+    cfg = moe_comm.load_config(None, backend="nvshmem")
+    assert resolve_backend_name(cfg, torch.device("cpu"), TWO_HOSTS) == "nvshmem"
+
+
+def _unusable_backends(rank: int, world: int) -> None:
+    base = dict(num_experts=4, topk=2, hidden=8, max_tokens_per_rank=4, dtype="float32")
+    # A GPU backend on a machine without CUDA says so at construction.
+    for name in ("vmm", "nvshmem"):
+        with pytest.raises(moe_comm.BackendError, match=f"backend '{name}' needs CUDA GPUs"):
+            moe_comm.Dispatcher(moe_comm.load_config(None, backend=name, **base))
+    cfg = moe_comm.load_config(None, backend="nccl", nccl={"transport": "collective"}, **base)
+    # The collective transport on CUDA tensors needs an NCCL group; this one is gloo.
+    with pytest.raises(moe_comm.BackendError, match="needs a process group with nccl"):
+        CollectiveBackend(cfg, None, torch.device("cuda", 0), "nccl")
+    put = moe_comm.load_config(None, backend="nvshmem", nvshmem={"transport": "put"}, **base)
+    with pytest.raises(moe_comm.BackendError, match="'put'.*not available"):
+        create_backend("nvshmem", put, None, torch.device("cuda", 0))
+
+
+def test_unusable_backends_fail_at_construction():
+    if torch.cuda.is_available():
+        pytest.skip("checks the errors of a machine without CUDA")
+    run_ranks(_unusable_backends, 1)
