@@ -8,7 +8,9 @@ import socket
 from dataclasses import dataclass
 from typing import Sequence
 import torch
+import torch.distributed as dist
 
+from .. import layout
 from ..config import Config
 from ..layout import Routing
 
@@ -38,11 +40,17 @@ class Backend(abc.ABC):
     device value on the host. ``status`` is the device status word (``layout.new_status``).
     """
 
-    name: str
-    rank: int
-    world_size: int
-    device: torch.device
-    status: torch.Tensor
+    def __init__(self, config: Config, group, device: torch.device, name: str) -> None:
+        """The state every backend has: the config, group, device, sizes and a cleared status word."""
+        self.name = name
+        self.config = config
+        self.group = group
+        self.device = device
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.num_local_experts = config.experts_per_rank(self.world_size)
+        self.capacity_rows = config.capacity_rows(self.world_size)
+        self.status = layout.new_status(device)
 
     @abc.abstractmethod
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> DispatchResult:

@@ -41,7 +41,6 @@ class CollectiveBackend(Backend):
     """
 
     def __init__(self, config: Config, group, device: torch.device, name: str) -> None:
-        self.name = name
         needed = "gloo" if device.type == "cpu" else "nccl"
         group_backend = str(dist.get_backend(group))
         if needed not in group_backend:
@@ -49,14 +48,7 @@ class CollectiveBackend(Backend):
                 f"backend {name!r} moves {device.type} tensors and needs a process group with {needed}; the group's "
                 f"backend is {group_backend!r} (pass group=torch.distributed.new_group(backend={needed!r}))"
             )
-        self.config = config
-        self.group = group
-        self.device = device
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
-        self.num_local_experts = config.experts_per_rank(self.world_size)
-        self.capacity_rows = config.capacity_rows(self.world_size)
-        self.status = layout.new_status(device)
+        super().__init__(config, group, device, name)
         if device.type == "cuda":
             # NCCL calls are captured into a CUDA graph only after they ran once on the stream;
             # one empty step here keeps that warm-up out of the user's first capture.

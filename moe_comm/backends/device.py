@@ -65,14 +65,7 @@ class DeviceBackend(Backend):
             raise BackendError(f"DeviceBackend needs a CUDA device, got {device!r}")
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        self.name = name
-        self.config = config
-        self.group = group
-        self.device = device
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
-        self.num_local_experts = config.experts_per_rank(self.world_size)
-        self.capacity_rows = config.capacity_rows(self.world_size)
+        super().__init__(config, group, device, name)
         self.dtype = config.torch_dtype
         self._memory = None
         self._closed = False
@@ -82,12 +75,9 @@ class DeviceBackend(Backend):
         self.layout = kernels.SymmetricLayout.plan(
             self.world_size, config.max_tokens_per_rank, config.topk, row_bytes
         )
-        self.status = layout.new_status(device)
         # u64 state words (epochs, done-counters): zero, like the flags of a fresh allocation.
         self._state = torch.zeros(kernels.STATE_WORDS, dtype=torch.int64, device=device)
-        self._memory = memory_factory(
-            group, device, self.layout.nbytes, timeout_s=config.timeout_s
-        )
+        self._memory = memory_factory(group, device, self.layout.nbytes, timeout_s=config.timeout_s)
         try:
             self._setup_kernels()
             self._warm_up()

@@ -64,7 +64,7 @@ class SymmetricMemory(abc.ABC):
         nbytes: size of each rank's copy in bytes (the requested size, rounded up to the
             backend's allocation granularity).
 
-    Backends implement :attr:`peer_ptrs`, :attr:`peer_ptrs_tensor`, :attr:`closed` and
+    Implementations set ``_peer_ptrs``, ``_peer_ptrs_tensor`` and ``_closed`` and implement
     :meth:`close`. A closed allocation refuses every access; tensors made from it before the
     close must no longer be used.
     """
@@ -74,20 +74,28 @@ class SymmetricMemory(abc.ABC):
     device: torch.device
     nbytes: int
 
+    # Set by each implementation's constructor: every rank's address, packed for kernels, and
+    # whether close() ran.
+    _peer_ptrs: list[int]
+    _peer_ptrs_tensor: torch.Tensor
+    _closed: bool
+
     @property
-    @abc.abstractmethod
     def peer_ptrs(self) -> list[int]:
         """Device addresses, valid in this process, of every rank's copy; index = rank (own copy included)."""
+        self._check_open()
+        return list(self._peer_ptrs)
 
     @property
-    @abc.abstractmethod
     def peer_ptrs_tensor(self) -> torch.Tensor:
         """``int64 [world_size]`` on :attr:`device`: :attr:`peer_ptrs` packed for kernels."""
+        self._check_open()
+        return self._peer_ptrs_tensor
 
     @property
-    @abc.abstractmethod
     def closed(self) -> bool:
         """True once :meth:`close` ran (or construction failed)."""
+        return self._closed
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -107,20 +107,6 @@ class TorchSymmetricMemory(SymmetricMemory):
             self._peer_ptrs_tensor = torch.tensor(self._peer_ptrs, dtype=torch.int64, device=self.device)
             torch.cuda.synchronize(self.device)
 
-    @property
-    def peer_ptrs(self) -> list[int]:
-        self._check_open()
-        return list(self._peer_ptrs)
-
-    @property
-    def peer_ptrs_tensor(self) -> torch.Tensor:
-        self._check_open()
-        return self._peer_ptrs_tensor
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     def close(self) -> None:
         """Drop this object's references; torch frees the buffer when no tensor refers to it. Idempotent."""
         if self._closed:

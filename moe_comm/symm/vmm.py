@@ -306,20 +306,6 @@ class VmmSymmetricMemory(SymmetricMemory):
 
     # ------------------------------------------------------------------ the SymmetricMemory contract
 
-    @property
-    def peer_ptrs(self) -> list[int]:
-        self._check_open()
-        return list(self._peer_ptrs)
-
-    @property
-    def peer_ptrs_tensor(self) -> torch.Tensor:
-        self._check_open()
-        return self._peer_ptrs_tensor
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     def close(self) -> None:
         """Synchronise the device, then unmap and release everything this rank holds; idempotent.
 
