@@ -374,11 +374,22 @@ def _parser() -> argparse.ArgumentParser:
     compile_.add_argument("--arch", action="append", required=True,
                           help="architecture such as sm_90; repeat for several")
     compile_.set_defaults(func=_cmd_compile)
+
+    bench = commands.add_parser(
+        "bench", add_help=False,
+        help="time dispatch/combine against the all-to-all baselines (`moe-comm bench --help` for its options)",
+    )
+    bench.set_defaults(func=None)  # main() hands `bench` and its own options to moe_comm.bench.main
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``moe-comm``; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # bench parses its own options (see moe_comm.bench)
+        from .bench import main as bench_main
+
+        return bench_main(argv[1:])
     args = _parser().parse_args(argv)
     from .errors import ConfigError, InputError, MoeCommError
 

@@ -1,0 +1,427 @@
+"""``moe-comm bench``: moe_comm's dispatch/combine against the all-to-all baselines, side by side.
+
+One rank per local GPU (or CPU ranks on the ``reference`` backend, for a smoke run). For every
+workload (tokens per rank x routing) each system runs dispatch -> identity experts -> combine;
+times are medians over ``repeats`` measurements taken after a warm-up, each between two CUDA
+events (a host clock on CPU), with the ranks aligned by a barrier first and the inputs rotated
+over several sets so that caches do not flatter. moe_comm is measured eager and graph-replayed;
+the padded baseline graph-replayed; the host-split baseline eager (it synchronises). Every
+system's combine result is checked once per workload against the expected ``sum_k w_k x_t``.
+
+Bandwidth is reported two ways: bytes that cross the link (rows sent to other ranks) and bytes
+received including the rank's own rows (the convention DeepEP reports).
+
+Results go to ``<out>/<name>.json``, ``.md`` and ``.png`` (the plot needs matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from .baselines import HostSplitAllToAll, PaddedAllToAll
+from .config import load_config
+from .dispatcher import Dispatcher
+
+__all__ = ["BenchOptions", "bench_rank", "write_results", "main"]
+
+# How many input sets the timed loops rotate over.
+NUM_INPUT_SETS = 4
+# Experts that the skewed routing favours.
+NUM_HOT_EXPERTS = 8
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """What every rank measures.
+
+    tokens: tokens per rank of the workloads. routings: ``uniform`` (``topk(abs(randn) + 1)``)
+    and/or ``skewed`` (a few hot experts). hidden, num_experts, topk, dtype: the model shape.
+    backend: moe_comm's backend. num_sms: its SM budget. repeats: timed measurements per median.
+    warmup: untimed runs first. baselines: also run the all-to-all baselines (CUDA only).
+    sms_sweep / sweep_tokens: ``num_sms`` values timed (graph-replayed, uniform routing) at these T.
+    """
+
+    tokens: tuple = (1, 32, 128, 512, 1024, 4096)
+    routings: tuple = ("uniform", "skewed")
+    hidden: int = 7168
+    num_experts: int = 256
+    topk: int = 8
+    dtype: str = "bfloat16"
+    backend: str = "auto"
+    num_sms: int = 24
+    repeats: int = 50
+    warmup: int = 5
+    baselines: bool = True
+    sms_sweep: tuple = ()
+    sweep_tokens: tuple = (128, 4096)
+
+
+@dataclass
+class Row:
+    """One measured (system, mode, workload): times in microseconds, bandwidths in GB/s."""
+
+    system: str
+    mode: str
+    tokens: int
+    routing: str
+    dispatch_us: Optional[float] = None
+    combine_us: Optional[float] = None
+    total_us: Optional[float] = None
+    cross_gbps: Optional[float] = None
+    received_gbps: Optional[float] = None
+    num_sms: Optional[int] = None
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def make_routing(kind: str, num_tokens: int, num_experts: int, topk: int, generator: torch.Generator):
+    """``(topk_idx [T, K] int64, topk_weights [T, K] float32)`` on CPU for a routing kind."""
+    scores = torch.randn(num_tokens, num_experts, generator=generator).abs() + 1
+    if kind == "skewed":
+        scores[:, :NUM_HOT_EXPERTS] += 1.5
+    elif kind != "uniform":
+        raise ValueError(f"routing: got {kind!r}, expected 'uniform' or 'skewed'")
+    idx = torch.topk(scores, topk).indices
+    weights = torch.rand(num_tokens, topk, generator=generator)
+    return idx, weights / weights.sum(dim=1, keepdim=True)
+
+
+class _Timer:
+    """Median time of a callable with the ranks aligned first; CUDA events on GPU, a host clock on CPU."""
+
+    def __init__(self, device: torch.device, group, repeats: int, warmup: int) -> None:
+        self.device = device
+        self.group = group
+        self.repeats = repeats
+        self.warmup = warmup
+        self._flag = torch.zeros(1, device=device)
+
+    def _align(self) -> None:
+        dist.all_reduce(self._flag, group=self.group)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def median_us(self, run: Callable[[], None], prepare: Callable[[int], None]) -> float:
+        """``prepare(i)`` (untimed: e.g. copy input set i into static buffers), then ``run()`` timed."""
+        samples = []
+        for i in range(self.warmup + self.repeats):
+            prepare(i)
+            self._align()
+            if self.device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                run()
+                end.record()
+                end.synchronize()
+                elapsed_us = start.elapsed_time(end) * 1e3
+            else:
+                began = time.perf_counter()
+                run()
+                elapsed_us = (time.perf_counter() - began) * 1e6
+            if i >= self.warmup:
+                samples.append(elapsed_us)
+        return statistics.median(samples)
+
+
+def _expected(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Identity experts: ``z[t] = sum_k w[t, k] * x[t]`` in float32."""
+    return x.float() * weights.sum(dim=1, keepdim=True)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest error relative to the largest reference value (0 for empty tensors)."""
+    if want.numel() == 0:
+        return 0.0
+    return float((got.float() - want).abs().max() / want.abs().max().clamp(min=1e-30))
+
+
+def _graph(device: torch.device, body: Callable[[], object]):
+    """Capture ``body`` (already run eagerly once) into a CUDA graph; returns the graph and what body returned."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = body()
+    return graph, result
+
+
+class _Workload:
+    """Input sets of one (T, routing) for this rank, and static buffers the graphs read."""
+
+    def __init__(self, options: BenchOptions, num_tokens: int, routing: str, rank: int, device: torch.device):
+        generator = torch.Generator().manual_seed(1000 * num_tokens + 17 * rank + (routing == "skewed"))
+        dtype = getattr(torch, options.dtype)
+        self.sets = []
+        for _ in range(NUM_INPUT_SETS):
+            idx, weights = make_routing(routing, num_tokens, options.num_experts, options.topk, generator)
+            x = torch.randn(num_tokens, options.hidden, generator=generator).to(dtype)
+            self.sets.append((x.to(device), idx.to(device), weights.to(device)))
+        self.static = tuple(t.clone() for t in self.sets[0])
+
+    def load(self, i: int) -> None:
+        for dst, src in zip(self.static, self.sets[i % NUM_INPUT_SETS]):
+            dst.copy_(src)
+
+
+def _moe_comm_step(disp: Dispatcher, work: _Workload) -> torch.Tensor:
+    """Dispatch the static inputs, identity experts, combine: ``z [T, H]``."""
+    out = disp.dispatch(*work.static)
+    return disp.combine(out.x, out.handle)
+
+
+def _measure_moe_comm(options: BenchOptions, work: _Workload, group, num_sms: int, graphs: bool) -> dict:
+    """Times (per mode), the combine error and the bytes of one workload on moe_comm."""
+    cfg = load_config(
+        None, backend=options.backend, num_experts=options.num_experts, topk=options.topk, hidden=options.hidden,
+        max_tokens_per_rank=max(work.static[0].shape[0], 1), dtype=options.dtype, num_sms=num_sms,
+    )
+    result = {}
+    with Dispatcher(cfg, group=group) as disp:
+        timer = _Timer(disp.device, group, options.repeats, options.warmup)
+        x, _, weights = work.static
+        out = disp.dispatch(*work.static)
+        result["error"] = _close(disp.combine(out.x, out.handle), _expected(x, weights))
+        routing = out.handle.routing
+        others = torch.ones(disp.world_size, dtype=torch.bool, device=disp.device)
+        others[disp.rank] = False
+        row_bytes = options.hidden * x.element_size()
+        result["cross_bytes"] = int(routing.send_mask[:, others].sum()) * row_bytes
+        result["received_bytes"] = int((routing.recv_pos != -1).any(dim=2).sum()) * row_bytes
+
+        latest = {"out": out}
+
+        def eager_dispatch() -> None:
+            latest["out"] = disp.dispatch(*work.static)
+
+        def eager_combine() -> None:
+            disp.combine(latest["out"].x, latest["out"].handle)
+
+        result["eager"] = {
+            "dispatch_us": timer.median_us(eager_dispatch, work.load),
+            "combine_us": timer.median_us(eager_combine, lambda i: None),
+            "total_us": timer.median_us(lambda: _moe_comm_step(disp, work), work.load),
+        }
+        if graphs and disp.device.type == "cuda":
+            graph_d, graph_out = _graph(disp.device, lambda: disp.dispatch(*work.static))
+            graph_c, _ = _graph(disp.device, lambda: disp.combine(graph_out.x, graph_out.handle))
+            graph_all, _ = _graph(disp.device, lambda: _moe_comm_step(disp, work))
+            result["graph"] = {
+                "dispatch_us": timer.median_us(graph_d.replay, work.load),
+                "combine_us": timer.median_us(graph_c.replay, lambda i: None),
+                "total_us": timer.median_us(graph_all.replay, work.load),
+            }
+        disp.check()
+    return result
+
+
+def _measure_baseline(baseline, options: BenchOptions, work: _Workload, device: torch.device, group,
+                      graphs: bool) -> dict:
+    """Times and the combine error of one baseline (graph-replayed if ``graphs``, else eager)."""
+    timer = _Timer(device, group, options.repeats, options.warmup)
+    x, _, weights = work.static
+    rows = baseline.dispatch(*work.static)
+    result = {"error": _close(baseline.combine(rows), _expected(x, weights))}
+    latest = {"rows": rows}
+
+    def dispatch() -> None:
+        latest["rows"] = baseline.dispatch(*work.static)
+
+    def step() -> None:
+        baseline.combine(baseline.dispatch(*work.static))
+
+    if graphs:
+        graph_d, graph_rows = _graph(device, lambda: baseline.dispatch(*work.static))
+        graph_c, _ = _graph(device, lambda: baseline.combine(graph_rows))
+        graph_all, _ = _graph(device, lambda: baseline.combine(baseline.dispatch(*work.static)))
+        result["graph"] = {
+            "dispatch_us": timer.median_us(graph_d.replay, work.load),
+            "combine_us": timer.median_us(graph_c.replay, lambda i: None),
+            "total_us": timer.median_us(graph_all.replay, work.load),
+        }
+    else:
+        result["eager"] = {
+            "dispatch_us": timer.median_us(dispatch, work.load),
+            "combine_us": timer.median_us(lambda: baseline.combine(latest["rows"]), lambda i: None),
+            "total_us": timer.median_us(step, work.load),
+        }
+    return result
+
+
+def _rows(system: str, measured: dict, num_tokens: int, routing: str, num_sms: Optional[int],
+          cross_bytes: float, received_bytes: float) -> list[Row]:
+    rows = []
+    for mode in ("eager", "graph"):
+        if mode not in measured:
+            continue
+        times = measured[mode]
+        dispatch_us = times["dispatch_us"]
+        rows.append(Row(
+            system=system, mode=mode, tokens=num_tokens, routing=routing, num_sms=num_sms,
+            cross_gbps=cross_bytes / (dispatch_us * 1e3) if cross_bytes and dispatch_us else None,
+            received_gbps=received_bytes / (dispatch_us * 1e3) if received_bytes and dispatch_us else None,
+            extra={"combine_error": measured["error"]}, **times,
+        ))
+    return rows
+
+
+def bench_rank(rank: int, world_size: int, options: BenchOptions) -> list[dict]:
+    """Run every workload on this rank (collective); returns rank-averaged rows on rank 0, [] elsewhere."""
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    group = None
+    rows: list[Row] = []
+    for routing in options.routings:
+        for num_tokens in options.tokens:
+            work = _Workload(options, num_tokens, routing, rank, device)
+            moe = _measure_moe_comm(options, work, group, options.num_sms, graphs=True)
+            rows += _rows("moe_comm", moe, num_tokens, routing, options.num_sms,
+                          moe["cross_bytes"], moe["received_bytes"])
+            if options.baselines and device.type == "cuda":
+                # The baselines move every assignment (no dedup): bytes are those moe_comm moves at best,
+                # so their bandwidth columns stay empty rather than compare unlike quantities.
+                host = _measure_baseline(HostSplitAllToAll(options.num_experts, group), options, work, device,
+                                         group, graphs=False)
+                rows += _rows(HostSplitAllToAll.name, host, num_tokens, routing, None, 0, 0)
+                padded = _measure_baseline(PaddedAllToAll(options.num_experts, group), options, work, device,
+                                           group, graphs=True)
+                rows += _rows(PaddedAllToAll.name, padded, num_tokens, routing, None, 0, 0)
+            if rank == 0:
+                print(f"moe-comm bench: {routing} T={num_tokens} done", file=sys.stderr, flush=True)
+    for num_tokens in options.sweep_tokens if options.sms_sweep else ():
+        work = _Workload(options, num_tokens, "uniform", rank, device)
+        for num_sms in options.sms_sweep:
+            moe = _measure_moe_comm(options, work, group, num_sms, graphs=True)
+            swept = _rows("moe_comm", {k: v for k, v in moe.items() if k != "eager"}, num_tokens, "uniform",
+                          num_sms, moe["cross_bytes"], moe["received_bytes"])
+            for row in swept:
+                row.mode = "graph (num_sms sweep)"
+            rows += swept
+    return _average_over_ranks([asdict(row) for row in rows], rank, world_size, group)
+
+
+def _average_over_ranks(rows: list[dict], rank: int, world_size: int, group) -> list[dict]:
+    """Rank 0 gets every numeric column averaged over the ranks (the combine error: the worst rank's)."""
+    gathered: list = [None] * world_size
+    dist.all_gather_object(gathered, rows, group=group)
+    if rank != 0:
+        return []
+    merged = []
+    for per_rank in zip(*gathered):
+        row = dict(per_rank[0])
+        for key in ("dispatch_us", "combine_us", "total_us", "cross_gbps", "received_gbps"):
+            values = [r[key] for r in per_rank if r[key] is not None]
+            row[key] = sum(values) / len(values) if values else None
+        row["extra"] = {"combine_error": max(r["extra"]["combine_error"] for r in per_rank)}
+        merged.append(row)
+    return merged
+
+
+def _cell(value: Optional[float], digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """The results as a markdown table (one line per system, mode and workload)."""
+    lines = [
+        "| system | mode | routing | T | num_sms | dispatch us | combine us | dispatch+combine us | "
+        "dispatch GB/s (cross-link) | dispatch GB/s (received) | combine rel. error |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['system']} | {row['mode']} | {row['routing']} | {row['tokens']} | {row['num_sms'] or '-'} | "
+            f"{_cell(row['dispatch_us'])} | {_cell(row['combine_us'])} | {_cell(row['total_us'])} | "
+            f"{_cell(row['cross_gbps'])} | {_cell(row['received_gbps'])} | {row['extra']['combine_error']:.1e} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write_results(rows: list[dict], meta: dict, out_dir: Path, name: str) -> list[Path]:
+    """Write ``<name>.json``, ``<name>.md`` and, with matplotlib, ``<name>.png``; returns the paths written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    json_path = out_dir / f"{name}.json"
+    json_path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    written.append(json_path)
+    md_path = out_dir / f"{name}.md"
+    header = "\n".join(f"- {key}: {value}" for key, value in meta.items())
+    md_path.write_text(f"# moe-comm bench: {name}\n\n{header}\n\n{markdown_table(rows)}")
+    written.append(md_path)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return written
+    figure, axis = plt.subplots(figsize=(8, 5))
+    lines: dict = {}
+    for row in rows:
+        if row["routing"] == "uniform" and "sweep" not in row["mode"] and row["total_us"] is not None:
+            lines.setdefault(f"{row['system']} ({row['mode']})", []).append((row["tokens"], row["total_us"]))
+    for label, points in sorted(lines.items()):
+        points.sort()
+        axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
+    axis.set_xscale("log", base=2)
+    axis.set_yscale("log")
+    axis.set_xlabel("tokens per rank")
+    axis.set_ylabel("dispatch + combine (us, median)")
+    axis.set_title(f"{meta.get('world_size')} ranks, {meta.get('device')}: uniform routing")
+    axis.grid(True, which="both", alpha=0.3)
+    axis.legend(fontsize=8)
+    png_path = out_dir / f"{name}.png"
+    figure.savefig(png_path, dpi=120, bbox_inches="tight")
+    plt.close(figure)
+    written.append(png_path)
+    return written
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moe-comm bench", description=__doc__.split("\n\n")[0])
+    defaults = BenchOptions()
+    parser.add_argument("--tokens", type=int, nargs="+", default=list(defaults.tokens))
+    parser.add_argument("--routing", nargs="+", choices=("uniform", "skewed"), default=list(defaults.routings))
+    parser.add_argument("--hidden", type=int, default=defaults.hidden)
+    parser.add_argument("--experts", type=int, default=defaults.num_experts)
+    parser.add_argument("--topk", type=int, default=defaults.topk)
+    parser.add_argument("--backend", default=defaults.backend)
+    parser.add_argument("--num-sms", type=int, default=defaults.num_sms)
+    parser.add_argument("--repeats", type=int, default=defaults.repeats)
+    parser.add_argument("--no-baselines", action="store_true")
+    parser.add_argument("--sweep-sms", type=int, nargs="*", default=[], help="num_sms values to sweep")
+    parser.add_argument("--ranks", type=int, default=2, help="CPU ranks when there is no GPU")
+    parser.add_argument("--name", default=None, help="results file name (default: from the machine)")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    return parser
+
+
+def main(argv: Optional[list] = None) -> int:
+    """Entry point of ``moe-comm bench`` and ``benchmarks/bench_dispatch_combine.py``."""
+    from .launch import run_ranks
+
+    args = _parser().parse_args(argv)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    options = BenchOptions(
+        tokens=tuple(args.tokens), routings=tuple(args.routing), hidden=args.hidden, num_experts=args.experts,
+        topk=args.topk, backend=args.backend if gpus else "reference", num_sms=args.num_sms,
+        repeats=args.repeats, baselines=not args.no_baselines, sms_sweep=tuple(args.sweep_sms),
+        dtype="bfloat16" if gpus else "float32",
+    )
+    world_size = gpus or args.ranks
+    device = torch.cuda.get_device_name(0) if gpus else "CPU"
+    results = run_ranks(bench_rank, world_size, options, dist_backend="nccl" if gpus else "gloo", gpu=bool(gpus),
+                        timeout_s=1800.0)
+    rows = results[0]
+    name = args.name or f"{world_size}x{device.replace(' ', '-')}"
+    meta = {"world_size": world_size, "device": device, "torch": torch.__version__, **asdict(options)}
+    print(markdown_table(rows))
+    for path in write_results(rows, meta, args.out, name):
+        print(f"wrote {path}")
+    return 0
