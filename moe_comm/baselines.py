@@ -41,7 +41,39 @@ def _weighted_sum(num_tokens: int, token_of: torch.Tensor, rows: torch.Tensor, w
     return z.to(rows.dtype)
 
 
-class HostSplitAllToAll:
+class _AllToAllBaseline:
+    """What both baselines share: the group, and the bookkeeping between dispatch and combine.
+
+    Subclasses implement ``_send_rows(rows)`` (source order -> received order, the rows of the last
+    dispatch's routing) and ``_return_rows(rows)`` (the way back, into source order).
+    """
+
+    name: str
+
+    def __init__(self, num_experts: int, group=None) -> None:
+        self.num_experts = num_experts
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+
+    def _group_by_expert(self, received: torch.Tensor, received_expert: torch.Tensor, routing: _AssignmentRouting,
+                         topk_weights: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """Sort the received rows by local expert (stable; -1 padding last) and keep what combine needs."""
+        key = torch.where(received_expert >= 0, received_expert, routing.local_experts)
+        self._by_expert = torch.sort(key, stable=True).indices
+        self.row_expert = received_expert[self._by_expert]
+        self._routing = routing
+        self._weights = topk_weights.reshape(-1)[routing.order]
+        self._num_tokens = num_tokens
+        return received[self._by_expert]
+
+    def combine(self, y: torch.Tensor) -> torch.Tensor:
+        """``[T, H]``: the expert outputs ``y`` (rows as ``dispatch`` returned them) weighted and summed per token."""
+        back = torch.empty_like(y)
+        back[self._by_expert] = y
+        return _weighted_sum(self._num_tokens, self._routing.token_of, self._return_rows(back), self._weights)
+
+
+class HostSplitAllToAll(_AllToAllBaseline):
     """Permute by destination, exchange split sizes (host sync), ``all_to_all_single``, permute by expert.
 
     Args:
@@ -49,11 +81,6 @@ class HostSplitAllToAll:
     """
 
     name = "nccl all_to_all, host splits"
-
-    def __init__(self, num_experts: int, group=None) -> None:
-        self.num_experts = num_experts
-        self.group = group
-        self.world_size = dist.get_world_size(group)
 
     def _exchange(self, rows: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
         out = rows.new_empty((sum(recv),) + tuple(rows.shape[1:]))
@@ -69,22 +96,13 @@ class HostSplitAllToAll:
         self._send, self._recv = send_counts.tolist(), recv_counts.tolist()  # the host sync
         received = self._exchange(x[routing.token_of], self._send, self._recv)
         received_expert = self._exchange(routing.local_expert, self._send, self._recv)
-        self._by_expert = torch.sort(received_expert, stable=True).indices
-        self.row_expert = received_expert[self._by_expert]
-        self._routing = routing
-        self._weights = topk_weights.reshape(-1)[routing.order]
-        self._num_tokens = x.shape[0]
-        return received[self._by_expert]
+        return self._group_by_expert(received, received_expert, routing, topk_weights, x.shape[0])
 
-    def combine(self, y: torch.Tensor) -> torch.Tensor:
-        """``[T, H]``: the expert outputs ``y`` (rows as :meth:`dispatch` returned them) weighted and summed per token."""
-        back = torch.empty_like(y)
-        back[self._by_expert] = y
-        returned = self._exchange(back, self._recv, self._send)
-        return _weighted_sum(self._num_tokens, self._routing.token_of, returned, self._weights)
+    def _return_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        return self._exchange(rows, self._recv, self._send)
 
 
-class PaddedAllToAll:
+class PaddedAllToAll(_AllToAllBaseline):
     """Equal, static splits: each destination gets a padded slot of ``T * K`` rows. Graph-capturable.
 
     Every rank must dispatch the same ``T`` (the slots are ``T * K`` rows everywhere).
@@ -94,11 +112,6 @@ class PaddedAllToAll:
     """
 
     name = "nccl all_to_all, padded"
-
-    def __init__(self, num_experts: int, group=None) -> None:
-        self.num_experts = num_experts
-        self.group = group
-        self.world_size = dist.get_world_size(group)
 
     def _exchange(self, rows: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(rows)
@@ -120,18 +133,7 @@ class PaddedAllToAll:
         send_expert = torch.full((self.world_size * slot_rows,), -1, dtype=torch.int64, device=x.device)
         send_expert[self._slot] = routing.local_expert
         received = self._exchange(send)
-        received_expert = self._exchange(send_expert)
-        key = torch.where(received_expert >= 0, received_expert, routing.local_experts)
-        self._by_expert = torch.sort(key, stable=True).indices
-        self.row_expert = received_expert[self._by_expert]
-        self._routing = routing
-        self._weights = topk_weights.reshape(-1)[routing.order]
-        self._num_tokens = x.shape[0]
-        return received[self._by_expert]
+        return self._group_by_expert(received, self._exchange(send_expert), routing, topk_weights, x.shape[0])
 
-    def combine(self, y: torch.Tensor) -> torch.Tensor:
-        """``[T, H]``: the expert outputs ``y`` weighted and summed per token."""
-        back = torch.empty_like(y)
-        back[self._by_expert] = y
-        returned = self._exchange(back)[self._slot]
-        return _weighted_sum(self._num_tokens, self._routing.token_of, returned, self._weights)
+    def _return_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        return self._exchange(rows)[self._slot]
