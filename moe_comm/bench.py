@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .baselines import HostSplitAllToAll, PaddedAllToAll
-from .config import load_config
+from .config import DTYPES, load_config
 from .dispatcher import Dispatcher
 
 __all__ = ["BenchOptions", "bench_rank", "write_results", "main"]
@@ -158,7 +158,7 @@ class _Workload:
 
     def __init__(self, options: BenchOptions, num_tokens: int, routing: str, rank: int, device: torch.device):
         generator = torch.Generator().manual_seed(1000 * num_tokens + 17 * rank + (routing == "skewed"))
-        dtype = getattr(torch, options.dtype)
+        dtype = DTYPES[options.dtype]
         self.sets = []
         for _ in range(NUM_INPUT_SETS):
             idx, weights = make_routing(routing, num_tokens, options.num_experts, options.topk, generator)
