@@ -46,18 +46,17 @@ _CHANNELS = 2
 _FLAG_KINDS = 3  # arrival, count, ack
 _ALIGN = 256
 
-# Block shapes and per-lane vectors per unit (csrc: *_THREADS, *_VPL, BATCH_ROWS). Only grid
+# Block shapes and per-lane vectors per unit (csrc: *_THREADS, *_VPL). Only grid
 # sizes depend on them here: a mismatch changes how many blocks launch, never a result.
 _SEND_THREADS = 512
 _SEND_VPL = 8
 _EXPAND_THREADS = 512
-_EXPAND_VPL = 8
+_EXPAND_VPL = 2
 _COMBINE_THREADS = 512
 _COMBINE_SEND_VPL = 2
 _COMBINE_RECV_VPL = 4
 _VALUES_THREADS = 512
 _LAYOUT_MAX_THREADS = 1024
-_BATCH_ROWS = 32
 # Dynamic shared memory the layout kernel may use (H100/H200 allow 227 KiB per block).
 _LAYOUT_SHARED_LIMIT = 200 * 1024
 
@@ -221,13 +220,14 @@ class DispatchKernels:
             (capacity, _I),
         )
 
-        # The expand: row batches plus padding units, over up to two blocks per SM.
+        # The expand is local: up to two blocks per SM of the whole device, at least one slab row
+        # per block (the kernel sizes its row batches to the grid) or enough for the padding units.
         expand_chunks = _chunks_per_row(layout.row_bytes, _EXPAND_VPL)
-        row_batches = _cdiv(args.world_size * args.max_tokens, _BATCH_ROWS)
+        slab_rows = args.world_size * args.max_tokens
         pad_units = num_local_experts * (expert_alignment - 1) * expand_chunks
         expand_warps = _EXPAND_THREADS // 32
-        self._expand_grid = max(1, min(2 * device_sms, max(row_batches, _cdiv(pad_units, expand_warps))))
-        self._redispatch_expand_grid = max(1, min(2 * device_sms, row_batches))
+        self._expand_grid = max(1, min(2 * device_sms, max(slab_rows, _cdiv(pad_units, expand_warps))))
+        self._redispatch_expand_grid = max(1, min(2 * device_sms, slab_rows))
         self._expand_const = self._prefix + ((layout.recv_x_offset, _L),)
         self._expand_tail = ((num_local_experts, _I), (expert_alignment, _I))
         self._capacity_rows = capacity_rows
@@ -326,7 +326,10 @@ class CombineKernels:
 
     Args:
         device, defines, args, layout: as for :class:`DispatchKernels`.
-        capacity_rows: rows of ``y`` (``out.x``'s layout). num_sms: blocks of the kernels.
+        capacity_rows: rows of ``y`` (``out.x``'s layout). num_sms: blocks of the values kernels.
+        device_sms: the device's SM count. ``combine_send`` reads K expert rows per partial it
+            sends and ``combine_recv`` only reads local memory: both may use every SM (one block
+            per SM), as the expand does; bounding them to ``num_sms`` made combine read-bound.
     """
 
     def __init__(
@@ -338,6 +341,7 @@ class CombineKernels:
         *,
         capacity_rows: int,
         num_sms: int,
+        device_sms: int,
     ) -> None:
         load = lambda entry: jit.load_function(device, "combine", entry, defines)  # noqa: E731
         self._send = load("combine_send")
@@ -346,9 +350,10 @@ class CombineKernels:
         self._values_recv = load("values_recv")
         self._topk = layout.topk
         self._num_sms = num_sms
+        self._device_sms = device_sms
         prefix = args.prefix()
         rows = args.world_size * args.max_tokens
-        self._send_grid = max(1, min(num_sms, _cdiv(rows, _BATCH_ROWS)))
+        self._send_grid = max(1, min(device_sms, rows))
         self._recv_chunks = _chunks_per_row(layout.row_bytes, _COMBINE_RECV_VPL)
         self._send_const = prefix + ((layout.ret_x_offset, _L),)
         self._capacity = ((capacity_rows, _I),)
@@ -371,7 +376,7 @@ class CombineKernels:
     def combine_recv(self, send_mask: torch.Tensor, z: torch.Tensor) -> None:
         """Source side: ``z [T, H]`` = the sum of the partial rows returned for each token, in rank order."""
         num_tokens = z.shape[0]
-        grid = max(1, min(self._num_sms, _cdiv(num_tokens * self._recv_chunks, _COMBINE_THREADS // 32)))
+        grid = max(1, min(self._device_sms, _cdiv(num_tokens * self._recv_chunks, _COMBINE_THREADS // 32)))
         self._recv.launch(
             grid,
             _COMBINE_THREADS,

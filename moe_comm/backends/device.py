@@ -132,7 +132,8 @@ class DeviceBackend(Backend):
                 device_sms=device_sms,
             )
             self._combine_kernels = kernels.CombineKernels(
-                self.device, defines, args, self.layout, capacity_rows=self.capacity_rows, num_sms=cfg.num_sms
+                self.device, defines, args, self.layout, capacity_rows=self.capacity_rows, num_sms=cfg.num_sms,
+                device_sms=device_sms,
             )
         except Exception as exc:  # reported to every rank below, then raised here
             error = exc

@@ -70,11 +70,9 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) combine_send(
     const int warp = threadIdx.x >> 5;
     const int warps = blockDim.x >> 5;
     const u8* rows = static_cast<const u8*>(y);
-    const i64 total_rows = static_cast<i64>(world) * max_tokens;
-    const i64 num_batches = (total_rows + BATCH_ROWS - 1) / BATCH_ROWS;
-    for (i64 q = blockIdx.x; q < num_batches; q += gridDim.x) {
-        const int listed = block_load_rows(batch, recv_pos, weighted ? recv_weight : nullptr, q, num_batches,
-                                             total_rows, -2);
+    const BatchShape shape = batch_shape(static_cast<i64>(world) * max_tokens);
+    for (i64 q = blockIdx.x; q < shape.count; q += gridDim.x) {
+        const int listed = block_load_rows(batch, recv_pos, weighted ? recv_weight : nullptr, shape, q, -2);
         for (int unit = warp; unit < listed * Chunks::kPerRow; unit += warps) {
             const int r = batch.list[unit / Chunks::kPerRow];
             const int chunk = unit - (unit / Chunks::kPerRow) * Chunks::kPerRow;
@@ -112,7 +110,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) combine_send(
                     }
                 }
             }
-            const i64 g = batch_row(q, num_batches, r);
+            const i64 g = batch_row(shape, q, r);
             const i64 s = g / max_tokens;
             const i64 t = g - s * max_tokens;
             u8* dst = reinterpret_cast<u8*>(s_peer[s] + off_ret_x) + (static_cast<i64>(rank) * max_tokens + t) * ROW_BYTES;

@@ -326,9 +326,11 @@ struct RowChunks {
 
 // Slab rows ([W * M] of them, K entries each) are scanned by blocks in batches: the block loads a
 // batch's recv_pos (and optionally recv_weight) into shared memory in one pass and lists the rows
-// that carry work, so warps then only touch those rows. Batch q of Q = ceil(rows / BATCH_ROWS)
-// holds the rows q, q + Q, q + 2Q, ...: interleaved, so the rows that carry tokens (the first T_s
-// of each slab) spread evenly over all batches and blocks even when T is much smaller than M.
+// that carry work, so warps then only touch those rows. A batch holds R = min(BATCH_ROWS,
+// ceil(rows / gridDim.x)) rows, so every block gets a batch even when there are few rows (decode
+// sizes), and batch q of Q = ceil(rows / R) holds the rows q, q + Q, q + 2Q, ...: interleaved, so
+// the rows that carry tokens (the first T_s of each slab) spread evenly over all batches and
+// blocks even when T is much smaller than M.
 #define BATCH_ROWS 32
 
 struct RowBatch {
@@ -338,21 +340,37 @@ struct RowBatch {
     u32 mask;
 };
 
-__device__ __forceinline__ i64 batch_row(i64 batch, i64 num_batches, int j) { return batch + j * num_batches; }
+// How this grid splits `total_rows` slab rows into batches.
+struct BatchShape {
+    int rows;         // rows per batch (1..BATCH_ROWS)
+    i64 count;        // number of batches
+    i64 total_rows;
+};
+
+__device__ __forceinline__ BatchShape batch_shape(i64 total_rows) {
+    BatchShape shape;
+    const i64 per_block = (total_rows + gridDim.x - 1) / gridDim.x;
+    shape.rows = static_cast<int>(per_block < 1 ? 1 : (per_block > BATCH_ROWS ? BATCH_ROWS : per_block));
+    shape.count = (total_rows + shape.rows - 1) / shape.rows;
+    shape.total_rows = total_rows;
+    return shape;
+}
+
+__device__ __forceinline__ i64 batch_row(const BatchShape& shape, i64 batch, int j) { return batch + j * shape.count; }
 
 // Block-wide (every thread calls it; blockDim.x >= 32). Loads the rows of batch `batch` of
 // recv_pos [total_rows, TOPK] (and of recv_weight unless it is null) into `b`, and lists in
-// b.list the indices j (row batch_row(batch, num_batches, j)) of the rows with an entry >= min_pos
+// b.list the indices j (row batch_row(shape, batch, j)) of the rows with an entry >= min_pos
 // (min_pos 0: a kept entry; -2: any entry that is not empty). Returns how many were listed.
 // Ends with __syncthreads(); the caller must __syncthreads() before the next call overwrites `b`.
 __device__ __forceinline__ int block_load_rows(RowBatch& b, const i32* __restrict__ recv_pos,
-                                               const float* __restrict__ recv_weight, i64 batch, i64 num_batches,
-                                               i64 total_rows, int min_pos) {
-    for (int i = threadIdx.x; i < BATCH_ROWS * TOPK; i += blockDim.x) {
+                                               const float* __restrict__ recv_weight, const BatchShape& shape,
+                                               i64 batch, int min_pos) {
+    for (int i = threadIdx.x; i < shape.rows * TOPK; i += blockDim.x) {
         const int j = i / TOPK;
-        const i64 g = batch_row(batch, num_batches, j);
+        const i64 g = batch_row(shape, batch, j);
         const i64 entry = g * TOPK + (i - j * TOPK);
-        const bool inside = g < total_rows;
+        const bool inside = g < shape.total_rows;
         b.pos[i] = inside ? recv_pos[entry] : -1;
         if (recv_weight != nullptr) b.weight[i] = inside ? recv_weight[entry] : 0.0f;
     }
@@ -360,11 +378,13 @@ __device__ __forceinline__ int block_load_rows(RowBatch& b, const i32* __restric
     if (threadIdx.x < 32) {
         const int j = threadIdx.x;
         bool carries = false;
+        if (j < shape.rows) {
 #pragma unroll
-        for (int k = 0; k < TOPK; ++k) {
-            const int pos = b.pos[j * TOPK + k];
-            // -1 marks an empty entry; with min_pos -2 a dropped entry (-2) still carries its token.
-            carries |= pos != -1 && pos >= min_pos;
+            for (int k = 0; k < TOPK; ++k) {
+                const int pos = b.pos[j * TOPK + k];
+                // -1 marks an empty entry; with min_pos -2 a dropped entry (-2) still carries its token.
+                carries |= pos != -1 && pos >= min_pos;
+            }
         }
         const u32 m = __ballot_sync(FULL_MASK, carries);
         if (carries) b.list[__popc(m & lanemask_lt())] = j;

@@ -41,7 +41,7 @@
 #define SEND_THREADS 512
 #define SEND_VPL 8          // 16-byte vectors per lane per unit in the senders
 #define EXPAND_THREADS 512
-#define EXPAND_VPL 8
+#define EXPAND_VPL 2         // small units: decode sizes have few rows to spread over the SMs
 #define LAYOUT_MAX_THREADS 1024
 #define LAYOUT_BATCH 8      // tiles whose metadata a warp loads before it ranks them
 
@@ -372,16 +372,15 @@ extern "C" __global__ void __launch_bounds__(EXPAND_THREADS) dispatch_expand(
     const u8* recv = reinterpret_cast<const u8*>(s_peer[rank] + off_recv_x);
     u8* out = static_cast<u8*>(out_x);
 
-    const i64 total_rows = static_cast<i64>(world) * max_tokens;
-    const i64 num_batches = (total_rows + BATCH_ROWS - 1) / BATCH_ROWS;
-    for (i64 q = blockIdx.x; q < num_batches; q += gridDim.x) {
-        const int listed = block_load_rows(batch, recv_pos, nullptr, q, num_batches, total_rows, 0);
+    const BatchShape shape = batch_shape(static_cast<i64>(world) * max_tokens);
+    for (i64 q = blockIdx.x; q < shape.count; q += gridDim.x) {
+        const int listed = block_load_rows(batch, recv_pos, nullptr, shape, q, 0);
         for (int unit = warp; unit < listed * Chunks::kPerRow; unit += warps) {
             const int r = batch.list[unit / Chunks::kPerRow];
             const int chunk = unit - (unit / Chunks::kPerRow) * Chunks::kPerRow;
             const int pos = lane < TOPK ? batch.pos[r * TOPK + lane] : -1;
             const u32 kept = __ballot_sync(FULL_MASK, lane < TOPK && pos >= 0 && pos < capacity_rows);
-            const u8* src = recv + batch_row(q, num_batches, r) * ROW_BYTES;
+            const u8* src = recv + batch_row(shape, q, r) * ROW_BYTES;
             const int v0 = chunk * Chunks::kVecs + lane;
             Vec16 vals[EXPAND_VPL];
 #pragma unroll
