@@ -26,6 +26,7 @@ from .errors import ConfigError
 __all__ = [
     "BACKENDS",
     "DTYPES",
+    "EXPERT_IMPLS",
     "Config",
     "VmmConfig",
     "NvshmemConfig",
@@ -35,6 +36,7 @@ __all__ = [
 ]
 
 BACKENDS = ("auto", "vmm", "nvshmem", "nccl", "reference")
+EXPERT_IMPLS = ("auto", "grouped_mm", "loop")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -128,6 +130,15 @@ class Config:
         this many rows (e.g. 16 or 128 for grouped GEMMs).
     expert_capacity: rows kept per local expert per call; assignments past it are dropped
         and counted in the device status. None is lossless.
+    experts: how :class:`moe_comm.MoELayer` computes its local experts (the Dispatcher ignores
+        it). ``grouped_mm``: two ``torch._grouped_mm`` calls on the expert-major rows and
+        ``expert_offsets``; torch runs them without a host sync only with ``bfloat16`` on CUDA GPUs
+        of compute capability 9.x or 10.x (elsewhere it reads the offsets on the host), so
+        anything else is refused when the layer is built. ``loop``: one GEMM chain per local
+        expert, any device and dtype; on CUDA every expert runs over all ``capacity_rows`` rows and
+        keeps its own segment (static shapes, graph-capturable, ``E_local`` times the FLOPs), on
+        CPU each expert runs on its exact rows. ``auto``: ``grouped_mm`` where it is supported,
+        else ``loop``.
     num_sms: streaming multiprocessors the communication kernels may occupy.
     timeout_s: longest wait on another rank before the wait gives up and reports the peer
         and the phase.
@@ -144,6 +155,7 @@ class Config:
     dtype: str = "bfloat16"
     expert_alignment: int = 16
     expert_capacity: Optional[int] = None
+    experts: str = "auto"
     num_sms: int = 24
     timeout_s: float = 30.0
     check_every_step: bool = False
@@ -167,6 +179,7 @@ class Config:
         _check_int("expert_alignment", self.expert_alignment, 1)
         if self.expert_capacity is not None:
             _check_int("expert_capacity", self.expert_capacity, 1)
+        _check_choice("experts", self.experts, EXPERT_IMPLS)
         _check_int("num_sms", self.num_sms, 1)
         _check_float("timeout_s", self.timeout_s)
         if not isinstance(self.check_every_step, bool):

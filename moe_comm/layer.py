@@ -4,6 +4,13 @@ forward: route (float32 softmax, top-k) -> ``dispatch`` -> SwiGLU experts on the
 rows -> ``combine`` -> ``[..., H]``. Gradients reach the input, the router weight (through the
 top-k weights) and the expert weights.
 
+On a GPU the whole forward and backward is capturable in a CUDA graph: no step reads a device
+value on the host and every shape follows from the config (``capacity_rows``), never from the
+routing. The experts run as the config's ``experts`` key says (:func:`resolve_expert_impl`):
+:func:`grouped_experts` (``torch._grouped_mm``), :func:`masked_experts` (a per-expert loop with
+static shapes, on CUDA) or :func:`sliced_experts` (a per-expert loop on exact slices, on CPU,
+where reading the offsets costs no sync).
+
 Weights are initialised deterministically from ``seed``: the router identically on every
 rank, each expert from its *global* id, so :func:`build_dense_weights` rebuilds every rank's
 experts in one process and :func:`dense_forward` computes the whole layer densely as a reference.
@@ -26,7 +33,19 @@ from .config import Config
 from .dispatcher import Dispatcher
 from .errors import ConfigError, InputError
 
-__all__ = ["MoELayer", "DenseWeights", "build_dense_weights", "dense_forward", "route", "swiglu"]
+__all__ = [
+    "MoELayer",
+    "DenseWeights",
+    "build_dense_weights",
+    "dense_forward",
+    "route",
+    "swiglu",
+    "grouped_mm_unsupported",
+    "resolve_expert_impl",
+    "grouped_experts",
+    "masked_experts",
+    "sliced_experts",
+]
 
 _MAX_SEED = 2**31
 
@@ -107,6 +126,110 @@ def swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> to
     """
     gate, up = (x @ w_gate_up).chunk(2, dim=-1)
     return (F.silu(gate) * up) @ w_down
+
+
+def grouped_mm_unsupported(device: torch.device, dtype: torch.dtype, ffn_hidden: int) -> Optional[str]:
+    """Why :func:`grouped_experts` cannot run here without a host sync, or None if it can.
+
+    torch's ``_grouped_mm`` has fast CUDA kernels (offsets read on the device) for bfloat16 on
+    compute capability 9.x and 10.x only; anywhere else on CUDA it falls back to a loop that
+    copies the offsets to the host (a sync that breaks graph capture). Its operands' row strides
+    must be multiples of 16 bytes: ``hidden`` is (the config checks it), ``ffn_hidden`` is checked here.
+    """
+    if not hasattr(torch, "_grouped_mm"):
+        return f"this torch ({torch.__version__}) has no torch._grouped_mm"
+    if device.type != "cuda":
+        return f"the layer's device is {device}, not a CUDA GPU"
+    if dtype != torch.bfloat16:
+        return f"the dtype is {str(dtype).removeprefix('torch.')}, not bfloat16"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major not in (9, 10):
+        return f"{device} has compute capability {major}.{minor}, not 9.x or 10.x"
+    if (ffn_hidden * dtype.itemsize) % 16:
+        return f"ffn_hidden={ffn_hidden} rows are not a multiple of 16 bytes (use a multiple of 8)"
+    return None
+
+
+def resolve_expert_impl(config: Config, device: torch.device, ffn_hidden: int) -> str:
+    """The expert implementation the config's ``experts`` key picks on ``device``: ``grouped_mm`` or ``loop``.
+
+    Raises:
+        ConfigError: ``experts: grouped_mm`` where :func:`grouped_mm_unsupported` gives a reason.
+    """
+    reason = grouped_mm_unsupported(device, config.torch_dtype, ffn_hidden)
+    if config.experts == "auto":
+        return "loop" if reason else "grouped_mm"
+    if config.experts == "grouped_mm" and reason:
+        raise ConfigError(
+            f"config key 'experts': got 'grouped_mm', but {reason}; torch._grouped_mm runs without a host sync "
+            "(graph-capturable) only with bfloat16 on CUDA GPUs of compute capability 9.x or 10.x. "
+            "Use experts: loop (or auto, which picks grouped_mm where it can)"
+        )
+    return config.experts
+
+
+def grouped_experts(
+    rows: torch.Tensor, expert_offsets: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
+) -> torch.Tensor:
+    """SwiGLU of every local expert on its segment, as two ``torch._grouped_mm`` calls (offsets stay on the device).
+
+    Args:
+        rows: ``[N, H]``, the dispatch output's ``x``. expert_offsets: ``[L]`` int32 cumulative segment ends.
+        w_gate_up: ``[L, H, 2F]``. w_down: ``[L, F, H]``. All on one device, one dtype.
+
+    Returns:
+        ``[N, H]``; rows at or past ``expert_offsets[-1]`` are unspecified.
+    """
+    # NOTE: checked on H200 with torch 2.11: outputs and gradients (rows, both weights) equal
+    # the per-expert loop's bit for bit, and a captured graph replayed with new offsets too.
+    gate, up = torch._grouped_mm(rows, w_gate_up, offs=expert_offsets).chunk(2, dim=-1)
+    return torch._grouped_mm(F.silu(gate) * up, w_down, offs=expert_offsets)
+
+
+def masked_experts(
+    rows: torch.Tensor, expert_offsets: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
+) -> torch.Tensor:
+    """SwiGLU of every local expert on its segment with static shapes: graph-capturable on any GPU and dtype.
+
+    Each expert runs over all ``N`` rows and keeps the rows of its own segment (``E_local`` times
+    the FLOPs of :func:`grouped_experts`): slicing a segment would need its bounds on the host.
+
+    Args and returns: as :func:`grouped_experts`; rows at or past ``expert_offsets[-1]`` get zeros.
+    """
+    num_rows, num_experts = rows.shape[0], w_gate_up.shape[0]
+    row_index = torch.arange(num_rows, dtype=expert_offsets.dtype, device=rows.device)
+    # Local expert of every row (num_experts past the last segment).
+    expert_of_row = torch.searchsorted(expert_offsets, row_index, right=True)[:, None]
+    # Rows past the last segment are unspecified (possibly NaN); zero them so that the zero
+    # gradient their outputs get cannot turn into 0 * NaN = NaN in the weights' gradients.
+    inputs = torch.where(expert_of_row < num_experts, rows, torch.zeros_like(rows))
+    out = torch.zeros_like(rows)
+    for j, (w_gu, w_d) in enumerate(zip(w_gate_up.unbind(0), w_down.unbind(0))):
+        out = torch.where(expert_of_row == j, swiglu(inputs, w_gu, w_d), out)
+    return out
+
+
+def sliced_experts(
+    rows: torch.Tensor, expert_offsets: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
+) -> torch.Tensor:
+    """SwiGLU of every local expert on exactly its segment's rows, for CPU tensors (reads the offsets).
+
+    Args and returns: as :func:`grouped_experts`; rows at or past ``expert_offsets[-1]`` get zeros.
+    """
+    # NOTE: on CPU, 16-bit matmuls fall back to slow kernels: [32, 1024] x [1024, 1024] took
+    # 70 ms in bf16 and 1.2 ms in float32 on one core of the CI machine (AMD EPYC). This path
+    # computes in float32 and rounds each expert's output to the rows' dtype, as a GPU GEMM
+    # with float32 accumulation does.
+    # unbind once (not w[j] per expert): backward then stacks the experts' gradients once.
+    gate_ups, downs = w_gate_up.unbind(0), w_down.unbind(0)
+    pieces, start = [], 0
+    for j, end in enumerate(expert_offsets.tolist()):
+        if end > start:
+            out = swiglu(rows[start:end].float(), gate_ups[j].float(), downs[j].float())
+            pieces.append(out.to(rows.dtype))
+        start = end
+    pieces.append(rows.new_zeros(rows.shape[0] - start, rows.shape[1]))
+    return torch.cat(pieces)
 
 
 @dataclass(frozen=True)
@@ -195,6 +318,11 @@ class MoELayer(nn.Module):
     Collective: every rank of the group builds it with the same arguments, in the same order,
     and calls ``forward`` (and ``backward``) the same number of times.
 
+    CUDA graphs: forward, and forward + backward, can be captured (e.g. a whole training step,
+    or one decode step per batch size; several graphs may share the layer and its dispatcher).
+    Warm up eagerly first (torch's whole-network capture recipe: a few steps on a side stream),
+    so that lazily initialised state (cuBLAS handles, optimizer state) exists before capture.
+
     Args:
         config: the :class:`moe_comm.Config` (num_experts, topk, hidden, dtype, ...).
         ffn_hidden: F, each expert's intermediate width.
@@ -212,6 +340,8 @@ class MoELayer(nn.Module):
         w_down: ``[E_local, F, H]`` config dtype.
 
     Attributes:
+        expert_impl: ``"grouped_mm"`` or ``"loop"``, the config's ``experts`` key resolved on this
+            device (see :func:`resolve_expert_impl`; an unsupported ``grouped_mm`` raises ``ConfigError``).
         last_topk_idx, last_topk_weights: the routing of the latest forward (``[T, K]`` int64 and
             float32, detached), for tests and diagnostics.
         timer: None, or an object whose ``phase(name)`` returns a context manager; ``forward``
@@ -246,6 +376,11 @@ class MoELayer(nn.Module):
         self.dispatcher = Dispatcher(config, group) if dispatcher is None else dispatcher
         disp = self.dispatcher
         device = disp.device
+        try:
+            self.expert_impl = resolve_expert_impl(config, device, ffn_hidden)
+        except ConfigError:
+            self.close()  # the dispatcher built above would otherwise leak
+            raise
         self.router = nn.Linear(config.hidden, config.num_experts, bias=False, device=device, dtype=torch.float32)
         with torch.no_grad():
             self.router.weight.copy_(_router_weight(config, seed))
@@ -253,16 +388,6 @@ class MoELayer(nn.Module):
         experts = [_expert_weights(config, ffn_hidden, first + j, seed) for j in range(disp.num_local_experts)]
         self.w_gate_up = nn.Parameter(torch.stack([gu for gu, _ in experts]).to(device))
         self.w_down = nn.Parameter(torch.stack([d for _, d in experts]).to(device))
-        # torch._grouped_mm runs the experts in one launch with device-side offsets (graph
-        # capturable); its CUDA kernels need bf16 and compute capability 9.0 or newer.
-        # NOTE: checked on H200 with torch 2.11: outputs and gradients (rows, both weights) equal
-        # the per-expert loop's bit for bit, and a captured graph replayed with new offsets too.
-        self.uses_grouped_mm = (
-            device.type == "cuda"
-            and config.torch_dtype == torch.bfloat16
-            and hasattr(torch, "_grouped_mm")
-            and torch.cuda.get_device_capability(device) >= (9, 0)
-        )
         self.last_topk_idx: Optional[torch.Tensor] = None
         self.last_topk_weights: Optional[torch.Tensor] = None
         self.timer = None
@@ -272,7 +397,7 @@ class MoELayer(nn.Module):
         return route(x, self.router.weight, self.config.topk, self.renormalize)
 
     def experts(self, rows: torch.Tensor, expert_offsets: torch.Tensor) -> torch.Tensor:
-        """Apply local expert ``j`` to its segment of ``rows``.
+        """Apply local expert ``j`` to its segment of ``rows``, as ``expert_impl`` says.
 
         Args:
             rows: ``[capacity_rows, H]`` config dtype, the dispatch output's ``x``.
@@ -280,28 +405,13 @@ class MoELayer(nn.Module):
 
         Returns:
             ``[capacity_rows, H]``; rows past ``expert_offsets[-1]`` are unspecified (combine never reads them).
-
-        With ``uses_grouped_mm`` this is two ``torch._grouped_mm`` calls, graph-capturable. Otherwise
-        it loops over the experts with offsets read on the host (a sync): NOT graph-capturable.
+            On a GPU it reads nothing on the host (graph-capturable) with either implementation.
         """
-        if self.uses_grouped_mm:
-            gate, up = torch._grouped_mm(rows, self.w_gate_up, offs=expert_offsets).chunk(2, dim=-1)
-            return torch._grouped_mm(F.silu(gate) * up, self.w_down, offs=expert_offsets)
-        # NOTE: on CPU, 16-bit matmuls fall back to slow kernels: [32, 1024] x [1024, 1024] took
-        # 70 ms in bf16 and 1.2 ms in float32 on one core of the CI machine (AMD EPYC). The CPU
-        # path computes in float32 and rounds each expert's output to the config dtype, as a GPU
-        # GEMM with float32 accumulation does.
-        compute = torch.float32 if rows.device.type == "cpu" else rows.dtype
-        # unbind once (not w[j] per expert): backward then stacks the experts' gradients once.
-        gate_ups, downs = self.w_gate_up.unbind(0), self.w_down.unbind(0)
-        pieces, start = [], 0
-        for j, end in enumerate(expert_offsets.tolist()):
-            if end > start:
-                out = swiglu(rows[start:end].to(compute), gate_ups[j].to(compute), downs[j].to(compute))
-                pieces.append(out.to(rows.dtype))
-            start = end
-        pieces.append(rows.new_zeros(rows.shape[0] - start, rows.shape[1]))
-        return torch.cat(pieces)
+        if self.expert_impl == "grouped_mm":
+            return grouped_experts(rows, expert_offsets, self.w_gate_up, self.w_down)
+        if rows.device.type == "cpu":
+            return sliced_experts(rows, expert_offsets, self.w_gate_up, self.w_down)
+        return masked_experts(rows, expert_offsets, self.w_gate_up, self.w_down)
 
     def _phase(self, name: str):
         return contextlib.nullcontext() if self.timer is None else self.timer.phase(name)
@@ -338,5 +448,5 @@ class MoELayer(nn.Module):
         return (
             f"hidden={self.config.hidden}, ffn_hidden={self.ffn_hidden}, experts={self.config.num_experts} "
             f"(local {disp.num_local_experts} on rank {disp.rank}/{disp.world_size}), topk={self.config.topk}, "
-            f"renormalize={self.renormalize}, backend={disp.backend_name!r}, grouped_mm={self.uses_grouped_mm}"
+            f"renormalize={self.renormalize}, backend={disp.backend_name!r}, experts={self.expert_impl!r}"
         )

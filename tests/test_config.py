@@ -50,6 +50,7 @@ def test_yaml_file_dict_and_overrides(tmp_path):
         ({"timeout_s": -1}, "'timeout_s'"),
         ({"timeout_s": float("nan")}, "'timeout_s'"),
         ({"check_every_step": "yes"}, "'check_every_step'"),
+        ({"experts": "triton"}, "'experts': got 'triton'"),
         ({"vmm": {"fd_passing": "magic"}}, "'vmm.fd_passing'"),
         ({"nvshmem": {"transport": "ib"}}, "'nvshmem.transport'"),
         ({"nvshmem": {"heap_size_mb": 0}}, "'nvshmem.heap_size_mb'"),
@@ -95,6 +96,8 @@ def test_fingerprint_tracks_every_field():
     base = load_config()
     assert base.fingerprint() == load_config().fingerprint()
     assert base.fingerprint() != load_config(None, nccl={"transport": "symmetric"}).fingerprint()
+    # experts changes no buffer, but ranks must still agree on it (their layers run the same math).
+    assert base.fingerprint() != load_config(None, experts="loop").fingerprint()
     with pytest.raises(dataclasses.FrozenInstanceError):
         base.hidden = 7
 
