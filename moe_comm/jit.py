@@ -3,14 +3,17 @@
 Compile path and cache contract
 -------------------------------
 * Sources are ``moe_comm/csrc/<name>.cu`` (read with ``importlib.resources``); they may include
-  the package's headers as ``#include "<header>.cuh"`` and nothing else (NVRTC has no standard
-  headers). Every ``csrc/*.cuh`` is handed to NVRTC in memory, so what the compiler sees is
-  exactly what the cache key hashes, also when the package is installed as a zip.
+  the package's headers as ``#include "<header>.cuh"`` (NVRTC has no standard headers). Every
+  ``csrc/*.cuh`` is handed to NVRTC in memory, so what the compiler sees is exactly what the cache
+  key hashes, also when the package is installed as a zip. A build may add a :class:`Toolchain`:
+  include directories of external headers (NVSHMEM's device API for the put transport), extra
+  options and a text that identifies those headers' version for the cache key.
 * Options: ``--gpu-architecture=sm_XX`` (a real architecture gives SASS), ``--std=c++17``,
-  ``-lineinfo`` and one ``-DNAME=VALUE`` per define. (NVRTC rejects ``-O3``.)
+  ``-lineinfo``, one ``-DNAME=VALUE`` per define, then the toolchain's options. (NVRTC rejects ``-O3``.)
 * Cache key: sha256 of :data:`CACHE_SCHEMA_VERSION`, the NVRTC version, the kernel name, the
-  source, every header (name and text) and the option list (which holds the architecture and
-  the defines). Entry names are readable, e.g. ``dispatch-bf16_hidden7168-sm90-<hash16>.cubin``.
+  source, every header (name and text), the option list (which holds the architecture, the
+  defines and the include directories) and the toolchain's identity text. Entry names are
+  readable, e.g. ``dispatch-bf16_hidden7168-sm90-<hash16>.cubin``.
 * Cache directory: ``$MOE_COMM_CACHE_DIR``, else ``$XDG_CACHE_HOME/moe_comm``, else
   ``~/.cache/moe_comm`` (:func:`cache_dir` is the one place that reads these variables).
 * A cubin is written to a temp file in the cache directory and moved into place with
@@ -44,9 +47,10 @@ import os
 import re
 import tempfile
 import threading
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -55,6 +59,7 @@ from .errors import BackendError, CompileError, InputError
 __all__ = [
     "CACHE_SCHEMA_VERSION",
     "KernelFunction",
+    "Toolchain",
     "arch_of",
     "cache_dir",
     "compile_all",
@@ -76,6 +81,24 @@ _NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _DEFINES_LINE = "// moe_comm-defines:"
 # Above this much dynamic shared memory a kernel must opt in with cuFuncSetAttribute.
 _DEFAULT_SHARED_LIMIT = 48 * 1024
+
+
+@dataclass(frozen=True)
+class Toolchain:
+    """What a build needs beyond the packaged sources: external headers and module set-up.
+
+    options: extra NVRTC options (``-I<dir>`` for each include directory, flags the headers need).
+    identity: text that changes when those headers change (e.g. their version file), hashed into
+        the cache key. module_init: called with the ``CUmodule`` right after each load (e.g. to
+        initialise a library's device state in the module); not part of the key.
+    """
+
+    options: tuple[str, ...] = ()
+    identity: str = ""
+    module_init: Optional[Callable[[Any], None]] = None
+
+
+_NO_TOOLCHAIN = Toolchain()
 
 
 def cache_dir() -> Path:
@@ -218,16 +241,19 @@ def _short_defines(defines: tuple[tuple[str, Union[int, str]], ...]) -> str:
     return "_".join(parts)[:48]
 
 
-def _options(arch: str, defines: tuple[tuple[str, Union[int, str]], ...]) -> list[str]:
-    return [f"--gpu-architecture={arch}", "--std=c++17", "-lineinfo", *(f"-D{key}={value}" for key, value in defines)]
+def _options(arch: str, defines: tuple[tuple[str, Union[int, str]], ...], toolchain: Toolchain) -> list[str]:
+    return [
+        f"--gpu-architecture={arch}", "--std=c++17", "-lineinfo",
+        *(f"-D{key}={value}" for key, value in defines), *toolchain.options,
+    ]
 
 
-def _cache_key(name: str, source: str, headers: Mapping[str, str], options: Sequence[str]) -> str:
+def _cache_key(name: str, source: str, headers: Mapping[str, str], options: Sequence[str], identity: str) -> str:
     major, minor = nvrtc_version()
     digest = hashlib.sha256()
     parts = [f"schema={CACHE_SCHEMA_VERSION}", f"nvrtc={major}.{minor}", name, source]
     parts += [f"{header}\0{text}" for header, text in headers.items()]
-    parts += list(options)
+    parts += list(options) + [identity]
     for part in parts:
         data = part.encode()
         # Length-prefixed so that moving text between two parts changes the digest.
@@ -242,6 +268,7 @@ def compile_source(
     arch: str,
     defines: Defines = {},
     source: Optional[str] = None,
+    toolchain: Toolchain = _NO_TOOLCHAIN,
 ) -> Path:
     """Compile a kernel with NVRTC (or find it in the cache) and return the cubin's path.
 
@@ -252,6 +279,7 @@ def compile_source(
         defines: macros passed as ``-DNAME=VALUE`` (int or str values).
         source: explicit CUDA C++ text to compile instead of the packaged file (tests, experiments).
             It may include the packaged ``.cuh`` headers.
+        toolchain: external headers and options of this build (see :class:`Toolchain`).
 
     Returns:
         Path of ``<cache_dir>/<name>-<defines>-<arch>-<hash16>.cubin``.
@@ -266,8 +294,8 @@ def compile_source(
     canonical = _sorted_defines(defines)
     text = _read_kernel(name) if source is None else source
     headers = _headers()
-    options = _options(arch, canonical)
-    digest = _cache_key(name, text, headers, options)
+    options = _options(arch, canonical, toolchain)
+    digest = _cache_key(name, text, headers, options, toolchain.identity)
     short = _short_defines(canonical)
     stem = "-".join(part for part in (name, short, arch.replace("_", ""), digest[:16]) if part)
     directory = cache_dir()
@@ -516,6 +544,7 @@ def load_function(
     defines: Defines = {},
     *,
     source: Optional[str] = None,
+    toolchain: Toolchain = _NO_TOOLCHAIN,
 ) -> KernelFunction:
     """Compile (cached), load and look up a kernel entry point on ``device``.
 
@@ -524,7 +553,8 @@ def load_function(
 
     Args:
         device: CUDA device (an index-less ``cuda`` means the current device).
-        name, defines, source: as in :func:`compile_source`.
+        name, defines, source, toolchain: as in :func:`compile_source`; ``toolchain.module_init``
+            runs once per loaded module.
         entry: the ``extern "C"`` ``__global__`` function to return.
 
     Raises:
@@ -533,7 +563,7 @@ def load_function(
         CompileError: as in :func:`compile_source`.
     """
     index = _device_index(device)
-    key = (index, name, entry, _sorted_defines(defines), source)
+    key = (index, name, entry, _sorted_defines(defines), source, toolchain)
     function = _functions.get(key)
     if function is not None:
         return function
@@ -547,12 +577,14 @@ def load_function(
         function = _functions.get(key)
         if function is None:
             target = torch.device("cuda", index)
-            path = compile_source(name, arch=arch_of(target), defines=defines, source=source)
+            path = compile_source(name, arch=arch_of(target), defines=defines, source=source, toolchain=toolchain)
             driver = cuda_driver()
             with device_context(index):
                 module = _modules.get((index, str(path)))
                 if module is None:
                     module = cu_check(driver.cuModuleLoadData(path.read_bytes()), f"cuModuleLoadData({path.name})")
+                    if toolchain.module_init is not None:
+                        toolchain.module_init(module)
                     _modules[(index, str(path))] = module
                 handle = cu_check(
                     driver.cuModuleGetFunction(module, entry.encode()),

@@ -80,11 +80,18 @@ def _chunks_per_row(row_bytes: int, vectors_per_lane: int) -> int:
     return _cdiv(row_bytes // 16, 32 * vectors_per_lane)
 
 
-def kernel_defines(dtype: torch.dtype, hidden: int, topk: int) -> dict:
-    """The compile-time defines of both kernel files for rows of ``hidden`` ``dtype`` and top-``topk``."""
+def kernel_defines(dtype: torch.dtype, hidden: int, topk: int, *, transport_put: bool = False) -> dict:
+    """The compile-time defines of both kernel files for rows of ``hidden`` ``dtype`` and top-``topk``.
+
+    ``transport_put``: remote writes as NVSHMEM puts (``csrc/transport.cuh``); such builds need
+    :func:`moe_comm.nvshmem_device.compile_options` and the module initialisation it names.
+    """
     if dtype not in _DTYPE_NAMES:
         raise BackendError(f"dtype {dtype} has no kernels; expected one of {', '.join(map(str, _DTYPE_NAMES))}")
-    return {"DTYPE": _DTYPE_NAMES[dtype], "HIDDEN": int(hidden), "TOPK": int(topk)}
+    defines = {"DTYPE": _DTYPE_NAMES[dtype], "HIDDEN": int(hidden), "TOPK": int(topk)}
+    if transport_put:
+        defines["TRANSPORT_PUT"] = 1
+    return defines
 
 
 @dataclass(frozen=True)
@@ -101,6 +108,8 @@ class SymmetricLayout:
     * ``ret_vals`` f32 ``[W, M, K]``: slab ``r`` written by destination ``r`` (return_entry_values).
     * ``recv_x``   ``[W, M, row]``: slab ``s`` written by source ``s`` (dispatch, redispatch).
     * ``ret_x``    ``[W, M, row]``: slab ``r`` written by destination ``r`` (combine partials).
+    * ``stage_x``  ``[W, M, row]``, only with ``staging`` (the put transport): this rank's partials
+      for source ``s`` before NVSHMEM puts them (NVSHMEM moves symmetric memory only); else size 0.
     """
 
     world_size: int
@@ -113,10 +122,13 @@ class SymmetricLayout:
     ret_vals_offset: int
     recv_x_offset: int
     ret_x_offset: int
+    stage_x_offset: int
     nbytes: int
 
     @classmethod
-    def plan(cls, world_size: int, max_tokens: int, topk: int, row_bytes: int) -> "SymmetricLayout":
+    def plan(
+        cls, world_size: int, max_tokens: int, topk: int, row_bytes: int, *, staging: bool = False
+    ) -> "SymmetricLayout":
         meta_words = _round_up(2 * topk, 4)
         slab_rows = world_size * max_tokens
         offset = 0
@@ -127,6 +139,7 @@ class SymmetricLayout:
             slab_rows * topk * 4,
             slab_rows * row_bytes,
             slab_rows * row_bytes,
+            slab_rows * row_bytes if staging else 0,
         ):
             regions.append(offset)
             offset = _round_up(offset + size, _ALIGN)
@@ -170,6 +183,8 @@ class DispatchKernels:
         num_experts: E. num_local_experts: L. expert_alignment: A. expert_capacity: C or None.
         capacity_rows: rows of ``out.x``. num_sms: blocks of the communication kernels.
         device_sms: the device's SM count (the local expand may use all of them).
+        toolchain: external headers of this build (:class:`moe_comm.jit.Toolchain`; NVSHMEM's for
+            the put transport).
     """
 
     def __init__(
@@ -186,8 +201,9 @@ class DispatchKernels:
         capacity_rows: int,
         num_sms: int,
         device_sms: int,
+        toolchain: jit.Toolchain = jit.Toolchain(),
     ) -> None:
-        load = lambda entry: jit.load_function(device, "dispatch", entry, defines)  # noqa: E731
+        load = lambda entry: jit.load_function(device, "dispatch", entry, defines, toolchain=toolchain)  # noqa: E731
         self._send = load("dispatch_send")
         self._layout = load("dispatch_layout")
         self._expand = load("dispatch_expand")
@@ -327,6 +343,7 @@ class CombineKernels:
     Args:
         device, defines, args, layout: as for :class:`DispatchKernels`.
         capacity_rows: rows of ``y`` (``out.x``'s layout). num_sms: blocks of the values kernels.
+        toolchain: as for :class:`DispatchKernels`.
         device_sms: the device's SM count. ``combine_send`` reads K expert rows per partial it
             sends and ``combine_recv`` only reads local memory: both may use every SM (one block
             per SM), as the expand does; bounding them to ``num_sms`` made combine read-bound.
@@ -342,8 +359,9 @@ class CombineKernels:
         capacity_rows: int,
         num_sms: int,
         device_sms: int,
+        toolchain: jit.Toolchain = jit.Toolchain(),
     ) -> None:
-        load = lambda entry: jit.load_function(device, "combine", entry, defines)  # noqa: E731
+        load = lambda entry: jit.load_function(device, "combine", entry, defines, toolchain=toolchain)  # noqa: E731
         self._send = load("combine_send")
         self._recv = load("combine_recv")
         self._values_send = load("values_send")
@@ -355,7 +373,7 @@ class CombineKernels:
         rows = args.world_size * args.max_tokens
         self._send_grid = max(1, min(device_sms, rows))
         self._recv_chunks = _chunks_per_row(layout.row_bytes, _COMBINE_RECV_VPL)
-        self._send_const = prefix + ((layout.ret_x_offset, _L),)
+        self._send_const = prefix + ((layout.ret_x_offset, _L), (layout.stage_x_offset, _L))
         self._capacity = ((capacity_rows, _I),)
         self._recv_const = prefix + ((layout.ret_x_offset, _L),)
         self._values_send_grid = max(1, min(num_sms, _cdiv(rows * layout.topk, _VALUES_THREADS)))

@@ -1,15 +1,15 @@
-"""The device backend (kernels on VMM symmetric memory) against the reference backend, bitwise.
+"""Every GPU backend against the reference backend, bitwise.
 
-Every rank runs the same inputs through a ``vmm`` Dispatcher (GPU) and a ``reference`` Dispatcher
-(CPU, over a gloo group of its own) and compares: the dispatch layout (``out.x`` rows up to
-``expert_offsets[-1]``, offsets, counts, every routing tensor), combine (weighted and not),
-redispatch, return_entry_values and the status word. Then a captured dispatch -> experts ->
-combine step is replayed with fresh inputs, checked against the reference every time.
+Every rank runs the same inputs through a Dispatcher of the backend under test (GPU) and a
+``reference`` Dispatcher (CPU, over a gloo group of its own) and compares: the dispatch layout
+(``out.x`` rows up to ``expert_offsets[-1]``, offsets, counts, every routing tensor), combine
+(weighted and not), redispatch, return_entry_values and the status word. Then a captured dispatch
+-> experts -> combine step is replayed with fresh inputs, checked against the reference every time.
 
-World sizes, one spawn each (a spawn costs every rank an ``import torch`` and the first NVRTC
-compile): 1 (no peers: every "remote" store is local), 2 (one rank per GPU, NCCL default group)
-and 4 (two ranks per GPU, gloo default group: NCCL refuses two ranks on one GPU; ranks that share a
-GPU exercise the spin-waits under time-slicing and several sources per destination).
+Backends: ``tests/gpu_backends.GPU_BACKENDS`` (vmm, nvshmem p2p and put, nccl symmetric and
+collective). World sizes, one spawn each: 1 (no peers: every "remote" write is local), 2 and 4.
+``vmm`` also runs 4 ranks on 2 GPUs (two ranks per GPU, gloo default group: ranks that share a GPU
+exercise the spin-waits under time-slicing); the others need one GPU per rank.
 
 Outputs are pre-filled with a sentinel so an unwritten row shows: exactly for graph replays (the
 static outputs are filled before every replay) and best-effort for eager calls (the caching
@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 import moe_comm
+from gpu_backends import GPU_BACKENDS, dist_backend_for
 from multirank import run_ranks
 
 pytestmark = pytest.mark.gpu
@@ -258,10 +259,10 @@ def _graph_scenarios(dev, ref, rank, world, dtype, generator) -> None:
     _check_status(dev, ref, "graphs")
 
 
-def _capacity_scenarios(rank, world, gloo) -> None:
+def _capacity_scenarios(rank, world, gloo, backend: str, section: dict) -> None:
     """Drops over expert_capacity (single-block kernels: num_sms=1): counts and first offender match."""
     generator = torch.Generator().manual_seed(500 + rank)
-    with moe_comm.Dispatcher(_config("vmm", "float32", expert_capacity=5, num_sms=1)) as dev, \
+    with moe_comm.Dispatcher(_config(backend, "float32", expert_capacity=5, num_sms=1, **section)) as dev, \
             moe_comm.Dispatcher(_config("reference", "float32", expert_capacity=5, num_sms=1), group=gloo) as ref:
         assert dev.capacity_rows == ref.capacity_rows
         _eager_scenarios(dev, ref, rank, world, torch.float32, generator, ("random", "one_expert", "one_rank"))
@@ -280,51 +281,30 @@ def _timeout_scenario(rank, world, gloo) -> None:
         dist.barrier(group=gloo)
 
 
-def _rank_main(rank: int, world: int) -> None:
+def _rank_main(rank: int, world: int, backend_id: str) -> None:
+    backend, section = GPU_BACKENDS[backend_id]
     gloo = dist.new_group(backend="gloo")
     for dtype_name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
         generator = torch.Generator().manual_seed(1000 * world + rank)
-        with moe_comm.Dispatcher(_config("vmm", dtype_name)) as dev, \
+        with moe_comm.Dispatcher(_config(backend, dtype_name, **section)) as dev, \
                 moe_comm.Dispatcher(_config("reference", dtype_name), group=gloo) as ref:
-            assert dev.backend_name == "vmm" and ref.backend_name == "reference"
+            assert dev.backend_name == backend and ref.backend_name == "reference"
             assert dev.capacity_rows == ref.capacity_rows
             _eager_scenarios(dev, ref, rank, world, dtype, generator,
                              ("random", "minus_one", "one_expert", "one_rank", "empty", "empty_rank", "invalid"))
             _graph_scenarios(dev, ref, rank, world, dtype, generator)
-    _capacity_scenarios(rank, world, gloo)
-    if world == 2:
+    _capacity_scenarios(rank, world, gloo, backend, section)
+    if world == 2 and backend_id == "vmm":
         _timeout_scenario(rank, world, gloo)
 
 
+# Every backend bitwise equal to the reference, so all of them give identical outputs for the same
+# inputs. One spawn per (backend, world): torch's symmetric-memory provider is chosen once per process.
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_device_backend_matches_reference(world, requires_gpus):
-    requires_gpus(min(world, 2))
-    backend = "gloo" if world > 2 else "nccl"  # NCCL refuses two ranks on one GPU
-    run_ranks(_rank_main, world, dist_backend=backend, gpu=True, timeout_s=600)
-
-
-def _other_backend_main(rank: int, world: int, backend: str, section: dict) -> None:
-    gloo = dist.new_group(backend="gloo")
-    for dtype_name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
-        generator = torch.Generator().manual_seed(2000 * world + rank)
-        with moe_comm.Dispatcher(_config(backend, dtype_name, **section)) as dev, \
-                moe_comm.Dispatcher(_config("reference", dtype_name), group=gloo) as ref:
-            assert dev.backend_name == backend and dev.capacity_rows == ref.capacity_rows
-            _eager_scenarios(dev, ref, rank, world, dtype, generator,
-                             ("random", "minus_one", "one_expert", "one_rank", "empty", "empty_rank", "invalid"))
-            _graph_scenarios(dev, ref, rank, world, dtype, generator)
-
-
-# One spawn per transport: torch's symmetric-memory provider is chosen once per process.
-@pytest.mark.parametrize(
-    "backend, section",
-    [
-        ("nccl", {"nccl": {"transport": "collective"}}),
-        ("nccl", {"nccl": {"transport": "symmetric"}}),
-        ("nvshmem", {"nvshmem": {"transport": "p2p"}}),
-    ],
-    ids=["nccl-collective", "nccl-symmetric", "nvshmem-p2p"],
-)
-def test_other_backends_match_reference(backend, section, requires_gpus):
-    requires_gpus(2)
-    run_ranks(_other_backend_main, 2, backend, section, dist_backend="nccl", gpu=True, timeout_s=300)
+@pytest.mark.parametrize("backend_id", list(GPU_BACKENDS))
+def test_backend_matches_reference(backend_id, world, requires_gpus):
+    present = requires_gpus(1)
+    dist_backend = dist_backend_for(backend_id, world, present)
+    if dist_backend is None:
+        pytest.skip(f"{backend_id} at world size {world} needs {world} GPUs (one rank per GPU); {present} present")
+    run_ranks(_rank_main, world, backend_id, dist_backend=dist_backend, gpu=True, timeout_s=600)

@@ -11,8 +11,9 @@ import ctypes
 import pytest
 import torch
 
-from moe_comm import jit
+from moe_comm import jit, nvshmem_device
 from moe_comm.errors import BackendError, CompileError, InputError
+from moe_comm.kernels import kernel_defines
 
 # Writes `value` into x[i] for i < n; VALUE comes from the defines.
 TOY_SOURCE = r"""
@@ -307,3 +308,36 @@ def test_modules_do_not_import_cuda_bindings_at_import_time():
             names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else (
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             assert not any(name.startswith("cuda") for name in names), f"{relative} imports {names} at module level"
+
+
+def test_toolchain_options_and_identity_are_part_of_the_key(nvrtc, cache):
+    directory, calls = cache
+    plain = jit.compile_source("toy", arch="sm_90", defines={"VALUE": 1}, source=TOY_SOURCE)
+    with_option = jit.compile_source("toy", arch="sm_90", defines={"VALUE": 1}, source=TOY_SOURCE,
+                                     toolchain=jit.Toolchain(options=("-default-device",)))
+    other_headers = jit.compile_source("toy", arch="sm_90", defines={"VALUE": 1}, source=TOY_SOURCE,
+                                       toolchain=jit.Toolchain(options=("-default-device",), identity="v2"))
+    assert len({plain, with_option, other_headers}) == 3 and len(calls) == 3
+
+
+def test_put_transport_kernels_compile_against_nvshmem_headers(nvrtc, cache):
+    """The NVSHMEM device API compiles header-only through NVRTC (the test extra installs the headers)."""
+    directory, calls = cache
+    toolchain = nvshmem_device.toolchain()
+    defines = kernel_defines(torch.bfloat16, 7168, 8, transport_put=True)
+    assert defines["TRANSPORT_PUT"] == 1
+    for name in ("dispatch", "combine"):
+        path = jit.compile_source(name, arch="sm_90", defines=defines, toolchain=toolchain)
+        assert path.name.startswith(f"{name}-bf16_hidden7168_topk8_transport_put1-sm90-")
+        assert b"nvshmemi_device_state_d" in path.read_bytes()  # NVSHMEM's state lives in the module
+    assert calls == ["dispatch", "combine"]
+
+
+def test_missing_nvshmem_headers_name_the_wheel(monkeypatch):
+    import cuda.pathfinder
+
+    real = cuda.pathfinder.find_nvidia_header_directory
+    monkeypatch.setattr(cuda.pathfinder, "find_nvidia_header_directory",
+                        lambda name: None if name == "cccl" else real(name))
+    with pytest.raises(BackendError, match=r"cccl \(pip install nvidia-cuda-cccl\).*transport 'p2p'"):
+        nvshmem_device.toolchain()

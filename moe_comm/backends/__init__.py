@@ -6,6 +6,7 @@
 | nccl        | collective: all_to_all_single, NCCL | none (collective)                   |
 | nccl        | symmetric: device kernels          | NCCL symmetric memory windows        |
 | nvshmem     | p2p: device kernels                | NVSHMEM symmetric heap               |
+| nvshmem     | put: device kernels, NVSHMEM puts  | NVSHMEM symmetric heap               |
 | vmm         | device kernels                     | own CUDA VMM allocation, fds shared  |
 """
 
@@ -38,15 +39,14 @@ def create_backend(name: str, config, group, device) -> Backend:
 
         factory = functools.partial(VmmSymmetricMemory, fd_passing=config.vmm.fd_passing)
     elif name == "nvshmem":
-        if config.nvshmem.transport == "put":
-            raise BackendError(
-                "nvshmem.transport 'put' (device-initiated NVSHMEM puts, for peers on other nodes) is not available "
-                "in this version; use nvshmem.transport 'p2p' inside one NVLink domain, or backend 'nccl' with "
-                "nccl.transport 'collective' across nodes"
-            )
         from ..symm.torch_symm import TorchSymmetricMemory
 
-        factory = functools.partial(TorchSymmetricMemory, provider="NVSHMEM")
+        put = config.nvshmem.transport == "put"
+        factory = functools.partial(
+            TorchSymmetricMemory, provider="NVSHMEM", addressing="symmetric" if put else "mapped",
+            heap_size_mb=config.nvshmem.heap_size_mb,
+        )
+        return DeviceBackend(config, group, device, factory, name, put_transport=put)
     else:
         from ..symm.torch_symm import TorchSymmetricMemory
 

@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .. import kernels, layout
+from .. import jit, kernels, layout, nvshmem_device
 from ..config import Config
 from ..errors import BackendError
 from .base import Backend, DispatchResult
@@ -52,6 +52,8 @@ class DeviceBackend(Backend):
         memory_factory: makes the symmetric allocation, called as
             ``memory_factory(group, device, nbytes, timeout_s=...)`` (a ``SymmetricMemory``).
         name: the backend name users chose (``vmm``, ``nvshmem``, ``nccl``).
+        put_transport: build the kernels for NVSHMEM puts (``csrc/transport.cuh``); the memory
+            factory must then give every rank's own (symmetric) address as each peer's entry.
 
     Raises:
         BackendError: the sizes do not fit the kernels, a kernel does not compile on some rank, or
@@ -59,7 +61,8 @@ class DeviceBackend(Backend):
     """
 
     def __init__(
-        self, config: Config, group, device: torch.device, memory_factory: Callable[..., Any], name: str
+        self, config: Config, group, device: torch.device, memory_factory: Callable[..., Any], name: str,
+        *, put_transport: bool = False,
     ) -> None:
         if not isinstance(device, torch.device) or device.type != "cuda":
             raise BackendError(f"DeviceBackend needs a CUDA device, got {device!r}")
@@ -69,11 +72,12 @@ class DeviceBackend(Backend):
         self.dtype = config.torch_dtype
         self._memory = None
         self._closed = False
+        self._put_transport = put_transport
         self._check_sizes()
 
         row_bytes = config.hidden * self.dtype.itemsize
         self.layout = kernels.SymmetricLayout.plan(
-            self.world_size, config.max_tokens_per_rank, config.topk, row_bytes
+            self.world_size, config.max_tokens_per_rank, config.topk, row_bytes, staging=put_transport
         )
         # u64 state words (epochs, done-counters): zero, like the flags of a fresh allocation.
         self._state = torch.zeros(kernels.STATE_WORDS, dtype=torch.int64, device=device)
@@ -107,7 +111,8 @@ class DeviceBackend(Backend):
         cfg = self.config
         error = None
         try:
-            defines = kernels.kernel_defines(self.dtype, cfg.hidden, cfg.topk)
+            defines = kernels.kernel_defines(self.dtype, cfg.hidden, cfg.topk, transport_put=self._put_transport)
+            toolchain = nvshmem_device.toolchain() if self._put_transport else jit.Toolchain()
             args = kernels.CommArgs(
                 peers_ptr=self._memory.peer_ptrs_tensor.data_ptr(),
                 rank=self.rank,
@@ -130,10 +135,11 @@ class DeviceBackend(Backend):
                 capacity_rows=self.capacity_rows,
                 num_sms=cfg.num_sms,
                 device_sms=device_sms,
+                toolchain=toolchain,
             )
             self._combine_kernels = kernels.CombineKernels(
                 self.device, defines, args, self.layout, capacity_rows=self.capacity_rows, num_sms=cfg.num_sms,
-                device_sms=device_sms,
+                device_sms=device_sms, toolchain=toolchain,
             )
         except Exception as exc:  # reported to every rank below, then raised here
             error = exc

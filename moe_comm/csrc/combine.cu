@@ -55,7 +55,7 @@ __device__ __forceinline__ void accumulate(float (&acc)[VPL][ELEMS_PER_VEC], con
 
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) combine_send(
     const i64* __restrict__ peers, int rank, int world, int max_tokens, u64* state, i64* status, i64 timeout_ns,
-    i64 off_ret_x, const void* __restrict__ y, int capacity_rows,
+    i64 off_ret_x, i64 off_stage_x, const void* __restrict__ y, int capacity_rows,
     const i32* __restrict__ recv_pos, const float* __restrict__ recv_weight, int weighted) {
     typedef RowChunks<COMBINE_SEND_VPL> Chunks;
     __shared__ i64 s_peer[MAX_WORLD];
@@ -111,23 +111,27 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) combine_send(
                 }
             }
             const i64 g = batch_row(shape, q, r);
-            const i64 s = g / max_tokens;
-            const i64 t = g - s * max_tokens;
-            u8* dst = reinterpret_cast<u8*>(s_peer[s] + off_ret_x) + (static_cast<i64>(rank) * max_tokens + t) * ROW_BYTES;
+            const int s = static_cast<int>(g / max_tokens);
+            const i64 t = g - static_cast<i64>(s) * max_tokens;
+            Vec16 partial[COMBINE_SEND_VPL];
 #pragma unroll
-            for (int u = 0; u < COMBINE_SEND_VPL; ++u) {
-                const int v = v0 + 32 * u;
-                if (v < ROW_VECS) st16(dst + static_cast<i64>(v) * 16, pack16(acc[u]));
+            for (int u = 0; u < COMBINE_SEND_VPL; ++u) partial[u] = pack16(acc[u]);
+            u8* dst = reinterpret_cast<u8*>(s_peer[s] + off_ret_x) + (static_cast<i64>(rank) * max_tokens + t) * ROW_BYTES;
+#if TRANSPORT_PUT
+            if (s != rank) {  // staged in this rank's own allocation, the copy NVSHMEM reads
+                u8* staged = reinterpret_cast<u8*>(s_peer[rank] + off_stage_x) + g * ROW_BYTES;
+                store_unit<COMBINE_SEND_VPL>(staged, partial, v0);
+                put_unit<COMBINE_SEND_VPL>(dst, staged, chunk, s);
+                continue;
             }
+#endif
+            store_unit<COMBINE_SEND_VPL>(dst, partial, v0);
         }
         __syncthreads();  // the batch is overwritten next
     }
 
     if (last_block_done(state + STATE_DONE + SLOT_COMBINE_SEND)) {
-        for (int r = threadIdx.x; r < world; r += blockDim.x) {
-            __threadfence_system();
-            st_release_sys(flag_at(s_peer[r], world, CH_TO_SOURCE, FLAG_ARRIVAL, rank), epoch);
-        }
+        signal_every_rank(s_peer, rank, world, CH_TO_SOURCE, FLAG_ARRIVAL, epoch, false, 0);
     }
 }
 
@@ -197,10 +201,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) combine_recv(
     }
 
     if (last_block_done(state + STATE_DONE + SLOT_COMBINE_RECV)) {
-        for (int r = threadIdx.x; r < world; r += blockDim.x) {
-            __threadfence_system();
-            st_release_sys(flag_at(s_peer[r], world, CH_TO_SOURCE, FLAG_ACK, rank), epoch);
-        }
+        signal_every_rank(s_peer, rank, world, CH_TO_SOURCE, FLAG_ACK, epoch, false, 0);
         if (threadIdx.x == 0) state[STATE_EPOCH + CH_TO_SOURCE] = epoch;
     }
 }
@@ -226,14 +227,11 @@ extern "C" __global__ void __launch_bounds__(VALUES_THREADS) values_send(
         const i64 s = i / per_slab;
         const i64 within = i - s * per_slab;  // t * K + k
         float* dst = reinterpret_cast<float*>(s_peer[s] + off_ret_vals) + static_cast<i64>(rank) * per_slab + within;
-        *dst = pos >= 0 && pos < capacity_rows ? row_vector[pos] : 0.0f;
+        remote_stf32(dst, pos >= 0 && pos < capacity_rows ? row_vector[pos] : 0.0f, static_cast<int>(s));
     }
 
     if (last_block_done(state + STATE_DONE + SLOT_VALUES_SEND)) {
-        for (int r = threadIdx.x; r < world; r += blockDim.x) {
-            __threadfence_system();
-            st_release_sys(flag_at(s_peer[r], world, CH_TO_SOURCE, FLAG_ARRIVAL, rank), epoch);
-        }
+        signal_every_rank(s_peer, rank, world, CH_TO_SOURCE, FLAG_ARRIVAL, epoch, false, 0);
     }
 }
 
@@ -259,10 +257,7 @@ extern "C" __global__ void __launch_bounds__(VALUES_THREADS) values_recv(
     }
 
     if (last_block_done(state + STATE_DONE + SLOT_VALUES_RECV)) {
-        for (int r = threadIdx.x; r < world; r += blockDim.x) {
-            __threadfence_system();
-            st_release_sys(flag_at(s_peer[r], world, CH_TO_SOURCE, FLAG_ACK, rank), epoch);
-        }
+        signal_every_rank(s_peer, rank, world, CH_TO_SOURCE, FLAG_ACK, epoch, false, 0);
         if (threadIdx.x == 0) state[STATE_EPOCH + CH_TO_SOURCE] = epoch;
     }
 }

@@ -1,13 +1,16 @@
 // common.cuh: device helpers shared by moe_comm's kernels (dispatch.cu, combine.cu).
 //
-// NVRTC has no standard headers: this file includes nothing and defines its own fixed-width
-// types, 16-byte row vectors, dtype conversions (inline PTX), system-scope flags, the bounded
-// spin-wait that reports timeouts into the device status word, and the "last block done" pattern.
+// NVRTC has no standard headers: this file includes only transport.cuh (which includes NVSHMEM's
+// device headers for the put transport) and defines its own fixed-width types, 16-byte row
+// vectors, dtype conversions (inline PTX), system-scope flags, the bounded spin-wait that reports
+// timeouts into the device status word, the "last block done" pattern, and the remote writes of
+// both transports (the only code that differs between them).
 //
 // Compile-time defines (set by moe_comm/kernels.py; they fix the row shape):
 //   DTYPE   bf16 | f16 | f32   element type of token rows
 //   HIDDEN  elements per row   (HIDDEN * element size is a multiple of 16 bytes)
 //   TOPK    columns of topk_idx (1..32)
+//   TRANSPORT_PUT  0 (default): peer loads/stores; 1: NVSHMEM puts (see transport.cuh)
 //
 // Layouts mirrored from Python (keep in sync with moe_comm/layout.py and moe_comm/kernels.py):
 //   * status word  int64 [6]: see STATUS_* below (layout.STATUS_*).
@@ -20,6 +23,8 @@
 //                  operation on that channel; [2 + slot] done-counters of the last-block pattern.
 //   * timeout phases: TIMEOUT_* below (layout.TIMEOUT_PHASES).
 #pragma once
+
+#include "transport.cuh"
 
 typedef unsigned char u8;
 typedef unsigned short u16;
@@ -293,6 +298,9 @@ __device__ __forceinline__ void block_wait_flags(i64 base, int world, int channe
 // does afterwards (release-store a flag) is ordered after every block's stores and loads.
 __device__ __forceinline__ bool last_block_done(u64* counter) {
     __shared__ int is_last;
+#if TRANSPORT_PUT
+    nvshmem_quiet();  // this thread's puts have landed at their PEs
+#endif
     __threadfence_system();
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -306,6 +314,69 @@ __device__ __forceinline__ bool last_block_done(u64* counter) {
     }
     __syncthreads();
     return is_last != 0;
+}
+
+// ------------------------------------------------------------------------- remote writes
+// `dst` is always an address computed from s_peer[pe] (see transport.cuh); `pe` the rank it belongs to.
+
+__device__ __forceinline__ void remote_st32(u32* dst, u32 value, int pe) {
+#if TRANSPORT_PUT
+    nvshmem_uint32_p(dst, value, pe);
+#else
+    (void)pe;
+    *dst = value;
+#endif
+}
+
+__device__ __forceinline__ void remote_stf32(float* dst, float value, int pe) {
+#if TRANSPORT_PUT
+    nvshmem_float_p(dst, value, pe);
+#else
+    (void)pe;
+    *dst = value;
+#endif
+}
+
+// One unit of a row: lane `lane` holds vectors v0 + 32 u (u < VPL) of the row in `vals`; they are
+// stored at the same vector indices of `dst` (local memory, or a peer's over NVLink).
+template <int VPL>
+__device__ __forceinline__ void store_unit(u8* dst, const Vec16 (&vals)[VPL], int v0) {
+#pragma unroll
+    for (int u = 0; u < VPL; ++u) {
+        const int v = v0 + 32 * u;
+        if (v < ROW_VECS) st16(dst + static_cast<i64>(v) * 16, vals[u]);
+    }
+}
+
+#if TRANSPORT_PUT
+// Warp-wide: chunk `chunk` (kVecs vectors) of a row staged at `staged` in this rank's allocation
+// goes to `dst` on rank `pe`. The warp's stores of the staged chunk are ordered before the put.
+template <int VPL>
+__device__ __forceinline__ void put_unit(u8* dst, const u8* staged, int chunk, int pe) {
+    const int first = chunk * 32 * VPL;
+    const int vecs = ROW_VECS - first < 32 * VPL ? ROW_VECS - first : 32 * VPL;
+    __syncwarp();
+    nvshmemx_putmem_nbi_warp(dst + static_cast<i64>(first) * 16, staged + static_cast<i64>(first) * 16,
+                             static_cast<size_t>(vecs) * 16, pe);
+}
+#endif
+
+// The last block's signal of a kernel that sent something on `channel`: for every rank r,
+// count[channel][rank] = count in r's flags when with_count, then flags[channel][kind][rank] =
+// epoch (a release: everything this rank wrote to r before is visible once r sees the epoch).
+__device__ __forceinline__ void signal_every_rank(const i64* s_peer, int rank, int world, int channel, int kind,
+                                                  u64 epoch, bool with_count, u64 count) {
+    for (int r = threadIdx.x; r < world; r += blockDim.x) {
+#if TRANSPORT_PUT
+        if (with_count) nvshmem_uint64_p(flag_at(s_peer[r], world, channel, FLAG_COUNT, rank), count, r);
+        nvshmem_fence();
+        nvshmem_uint64_p(flag_at(s_peer[r], world, channel, kind, rank), epoch, r);
+#else
+        __threadfence_system();
+        if (with_count) st_relaxed_sys(flag_at(s_peer[r], world, channel, FLAG_COUNT, rank), count);
+        st_release_sys(flag_at(s_peer[r], world, channel, kind, rank), epoch);
+#endif
+    }
 }
 
 // Copy the peer base addresses into shared memory (called before the first __syncthreads).

@@ -47,6 +47,38 @@
 
 // --------------------------------------------------------------------------- dispatch_send
 
+// The ranks of a token's leader lanes (one per destination rank), from every lane's `dest`.
+__device__ __forceinline__ u64 leader_dest_set(u32 leaders, int dest) {
+    u64 dest_set = 0;
+    for (u32 m = leaders; m != 0u; m &= m - 1u) {
+        dest_set |= 1ull << __shfl_sync(FULL_MASK, dest, __ffs(static_cast<int>(m)) - 1);
+    }
+    return dest_set;
+}
+
+// Warp-wide: one unit of a token row (vals, vectors v0 + 32 u) to slab row `row_offset` of every
+// rank in `dests`. With puts the unit is first stored into this rank's own slab row (the copy
+// NVSHMEM reads; it is also the delivery when this rank is a destination, and is never read as a
+// token otherwise: this rank's metadata row then has no local entry).
+template <int VPL>
+__device__ __forceinline__ void send_unit(const i64* s_peer, int rank, u64 dests, i64 row_offset,
+                                          const Vec16 (&vals)[VPL], int chunk, int v0) {
+#if TRANSPORT_PUT
+    const u8* staged = reinterpret_cast<const u8*>(s_peer[rank] + row_offset);
+    store_unit<VPL>(const_cast<u8*>(staged), vals, v0);
+    for (u64 m = dests & ~(1ull << rank); m != 0ull; m &= m - 1ull) {
+        const int r = __ffsll(static_cast<i64>(m)) - 1;
+        put_unit<VPL>(reinterpret_cast<u8*>(s_peer[r] + row_offset), staged, chunk, r);
+    }
+#else
+    (void)rank;
+    (void)chunk;
+    for (u64 m = dests; m != 0ull; m &= m - 1ull) {
+        store_unit<VPL>(reinterpret_cast<u8*>(s_peer[__ffsll(static_cast<i64>(m)) - 1] + row_offset), vals, v0);
+    }
+#endif
+}
+
 extern "C" __global__ void __launch_bounds__(SEND_THREADS) dispatch_send(
     const i64* __restrict__ peers, int rank, int world, int max_tokens, u64* state, i64* status, i64 timeout_ns,
     i64 off_meta, i64 off_recv_x, int num_experts,
@@ -55,7 +87,6 @@ extern "C" __global__ void __launch_bounds__(SEND_THREADS) dispatch_send(
     u8* __restrict__ send_mask, i32* __restrict__ dest_rank) {
     typedef RowChunks<SEND_VPL> Chunks;
     __shared__ i64 s_peer[MAX_WORLD];
-    __shared__ i64 s_dst[SEND_THREADS / 32][TOPK];
     load_peers(s_peer, peers, world);
     const u64 epoch = state[STATE_EPOCH + CH_TO_DEST] + 1;
     __syncthreads();
@@ -87,6 +118,7 @@ extern "C" __global__ void __launch_bounds__(SEND_THREADS) dispatch_send(
         const u32 same_dest = __match_any_sync(FULL_MASK, dest);
         const bool leader = valid && (same_dest & lanemask_lt()) == 0;
         const u32 leaders = __ballot_sync(FULL_MASK, leader);
+        const u64 dest_set = leader_dest_set(leaders, dest);
 
         if (chunk == 0) {
             const u32 invalid = __ballot_sync(FULL_MASK, lane < TOPK && expert != -1 && !valid);
@@ -95,10 +127,6 @@ extern "C" __global__ void __launch_bounds__(SEND_THREADS) dispatch_send(
                 first_invalid = imin64(first_invalid, (static_cast<i64>(rank) << 32) | t);
             }
             if (lane < TOPK) dest_rank[static_cast<i64>(t) * TOPK + lane] = dest;
-            u64 dest_set = 0;
-            for (u32 m = leaders; m != 0u; m &= m - 1u) {
-                dest_set |= 1ull << __shfl_sync(FULL_MASK, dest, __ffs(static_cast<int>(m)) - 1);
-            }
             for (int r = lane; r < world; r += 32) {
                 send_mask[static_cast<i64>(t) * world + r] = static_cast<u8>((dest_set >> r) & 1ull);
             }
@@ -106,20 +134,15 @@ extern "C" __global__ void __launch_bounds__(SEND_THREADS) dispatch_send(
                 for (int r = 0; r < world; ++r) {
                     u32* row = reinterpret_cast<u32*>(s_peer[r] + off_meta) +
                                (static_cast<i64>(rank) * max_tokens + t) * META_WORDS;
-                    row[lane] = static_cast<u32>(dest == r ? local : -1);
-                    row[TOPK + lane] = __float_as_uint(weight);
+                    remote_st32(row + lane, static_cast<u32>(dest == r ? local : -1), r);
+                    remote_st32(row + TOPK + lane, __float_as_uint(weight), r);
                 }
             }
         }
 
-        if (leader) {
-            s_dst[warp][__popc(leaders & lanemask_lt())] =
-                s_peer[dest] + off_recv_x + (static_cast<i64>(rank) * max_tokens + t) * ROW_BYTES;
-        }
-        __syncwarp();
-        const int num_dst = __popc(leaders);
-        if (num_dst > 0) {
+        if (dest_set != 0ull) {
             const u8* src = static_cast<const u8*>(x) + static_cast<i64>(t) * ROW_BYTES;
+            const i64 row_offset = off_recv_x + (static_cast<i64>(rank) * max_tokens + t) * ROW_BYTES;
             const int v0 = chunk * Chunks::kVecs + lane;
             Vec16 vals[SEND_VPL];
 #pragma unroll
@@ -127,25 +150,13 @@ extern "C" __global__ void __launch_bounds__(SEND_THREADS) dispatch_send(
                 const int v = v0 + 32 * u;
                 if (v < ROW_VECS) vals[u] = ld16_nc(src + static_cast<i64>(v) * 16);
             }
-            for (int i = 0; i < num_dst; ++i) {
-                u8* dst = reinterpret_cast<u8*>(s_dst[warp][i]);
-#pragma unroll
-                for (int u = 0; u < SEND_VPL; ++u) {
-                    const int v = v0 + 32 * u;
-                    if (v < ROW_VECS) st16(dst + static_cast<i64>(v) * 16, vals[u]);
-                }
-            }
+            send_unit<SEND_VPL>(s_peer, rank, dest_set, row_offset, vals, chunk, v0);
         }
-        __syncwarp();  // s_dst is rewritten by the next unit
     }
     if (lane == 0 && num_invalid != 0) status_add_offenders(status, STATUS_NUM_INVALID, num_invalid, first_invalid);
 
     if (last_block_done(state + STATE_DONE + SLOT_DISPATCH_SEND)) {
-        for (int r = threadIdx.x; r < world; r += blockDim.x) {
-            __threadfence_system();
-            st_relaxed_sys(flag_at(s_peer[r], world, CH_TO_DEST, FLAG_COUNT, rank), static_cast<u64>(num_tokens));
-            st_release_sys(flag_at(s_peer[r], world, CH_TO_DEST, FLAG_ARRIVAL, rank), epoch);
-        }
+        signal_every_rank(s_peer, rank, world, CH_TO_DEST, FLAG_ARRIVAL, epoch, true, static_cast<u64>(num_tokens));
     }
 }
 
@@ -425,10 +436,7 @@ extern "C" __global__ void __launch_bounds__(EXPAND_THREADS) dispatch_expand(
     }
 
     if (last_block_done(state + STATE_DONE + SLOT_DISPATCH_EXPAND)) {
-        for (int r = threadIdx.x; r < world; r += blockDim.x) {
-            __threadfence_system();
-            st_release_sys(flag_at(s_peer[r], world, CH_TO_DEST, FLAG_ACK, rank), epoch);
-        }
+        signal_every_rank(s_peer, rank, world, CH_TO_DEST, FLAG_ACK, epoch, false, 0);
         if (threadIdx.x == 0) state[STATE_EPOCH + CH_TO_DEST] = epoch;
     }
 }
@@ -465,21 +473,10 @@ extern "C" __global__ void __launch_bounds__(SEND_THREADS) redispatch_send(
             const int v = v0 + 32 * u;
             if (v < ROW_VECS) vals[u] = ld16_nc(src + static_cast<i64>(v) * 16);
         }
-        for (u64 m = dests; m != 0ull; m &= m - 1ull) {
-            u8* dst = reinterpret_cast<u8*>(s_peer[__ffsll(static_cast<i64>(m)) - 1] + row_offset);
-#pragma unroll
-            for (int u = 0; u < SEND_VPL; ++u) {
-                const int v = v0 + 32 * u;
-                if (v < ROW_VECS) st16(dst + static_cast<i64>(v) * 16, vals[u]);
-            }
-        }
+        send_unit<SEND_VPL>(s_peer, rank, dests, row_offset, vals, chunk, v0);
     }
 
     if (last_block_done(state + STATE_DONE + SLOT_REDISPATCH_SEND)) {
-        for (int r = threadIdx.x; r < world; r += blockDim.x) {
-            __threadfence_system();
-            st_relaxed_sys(flag_at(s_peer[r], world, CH_TO_DEST, FLAG_COUNT, rank), static_cast<u64>(num_tokens));
-            st_release_sys(flag_at(s_peer[r], world, CH_TO_DEST, FLAG_ARRIVAL, rank), epoch);
-        }
+        signal_every_rank(s_peer, rank, world, CH_TO_DEST, FLAG_ARRIVAL, epoch, true, static_cast<u64>(num_tokens));
     }
 }

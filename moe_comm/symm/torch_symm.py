@@ -6,13 +6,21 @@ NCCL's window mapping); the device kernels then read and write peers exactly as 
 This reaches the peers that the provider can map into this process: the GPUs of one NVLink
 domain.
 
+With ``addressing="symmetric"`` (the NVSHMEM put transport) every entry of the peer table is
+this rank's own address of the buffer instead: kernels then name a peer's copy by that address
+and the peer's rank (NVSHMEM puts), which also reaches peers on other nodes.
+
 Facts this relies on (PLATFORM.md): the provider is chosen once per process with
 ``set_backend`` before the first allocation; ``empty`` is collective and needs a device with an
 explicit index; NCCL needs one ordinary collective on the group before the first rendezvous.
+NVSHMEM starts at the process's first NVSHMEM allocation and reads its heap size
+(``NVSHMEM_SYMMETRIC_SIZE``) then, so the heap is sized before that allocation.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import Optional
 
 import torch
@@ -21,9 +29,42 @@ import torch.distributed as dist
 from ..errors import BackendError
 from .base import SymmetricMemory
 
-__all__ = ["PROVIDERS", "TorchSymmetricMemory"]
+__all__ = ["ADDRESSING", "PROVIDERS", "TorchSymmetricMemory", "nvshmem_heap_bytes"]
 
 PROVIDERS = ("NVSHMEM", "NCCL")
+ADDRESSING = ("mapped", "symmetric")
+
+_log = logging.getLogger("moe_comm")
+_MIB = 1 << 20
+_DEFAULT_HEAP_BYTES = 1024 * _MIB  # NVSHMEM's own default
+# Set once this process made its first NVSHMEM allocation: the heap size is fixed from then on.
+_nvshmem_started = False
+
+
+def nvshmem_heap_bytes(nbytes: int, heap_size_mb: Optional[int]) -> int:
+    """The NVSHMEM heap to ask for: ``heap_size_mb`` MiB if given, else room for twice this buffer
+    (several dispatchers per process) and never less than NVSHMEM's default of 1 GiB."""
+    if heap_size_mb is not None:
+        return heap_size_mb * _MIB
+    return max(_DEFAULT_HEAP_BYTES, -(-2 * nbytes // _MIB) * _MIB)
+
+
+def _size_nvshmem_heap(nbytes: int, heap_size_mb: Optional[int]) -> None:
+    """Set ``NVSHMEM_SYMMETRIC_SIZE`` before NVSHMEM starts; raise if the heap cannot hold ``nbytes``."""
+    wanted = nvshmem_heap_bytes(nbytes, heap_size_mb)
+    if wanted < nbytes:
+        raise BackendError(
+            f"nvshmem.heap_size_mb={heap_size_mb} is smaller than this dispatcher's symmetric buffer "
+            f"({-(-nbytes // _MIB)} MiB); raise it or leave it null to size it automatically"
+        )
+    if _nvshmem_started:
+        if heap_size_mb is not None:
+            _log.warning("nvshmem.heap_size_mb=%d ignored: NVSHMEM already started in this process with its heap",
+                         heap_size_mb)
+        return
+    if heap_size_mb is None and "NVSHMEM_SYMMETRIC_SIZE" in os.environ:
+        return  # the operator sized it
+    os.environ["NVSHMEM_SYMMETRIC_SIZE"] = str(wanted)
 
 
 def _symm_mem():
@@ -62,6 +103,9 @@ class TorchSymmetricMemory(SymmetricMemory):
         timeout_s: kept for the common constructor signature; torch's rendezvous is bounded by the
             group's own timeout.
         provider: ``NVSHMEM`` or ``NCCL``.
+        addressing: ``mapped`` (peer pointers; one NVLink domain) or ``symmetric`` (every entry is
+            this rank's own address, for NVSHMEM puts; NVSHMEM only).
+        heap_size_mb: NVSHMEM's heap (``nvshmem.heap_size_mb``); None sizes it from ``nbytes``.
 
     Raises:
         BackendError: the provider is not available in this torch build, another provider is
@@ -69,9 +113,14 @@ class TorchSymmetricMemory(SymmetricMemory):
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup], device: torch.device, nbytes: int, *,
-                 timeout_s: float, provider: str) -> None:
+                 timeout_s: float, provider: str, addressing: str = "mapped",
+                 heap_size_mb: Optional[int] = None) -> None:
+        global _nvshmem_started
         if provider not in PROVIDERS:
             raise BackendError(f"provider: got {provider!r}, expected one of {PROVIDERS}")
+        if addressing not in ADDRESSING or (addressing == "symmetric" and provider != "NVSHMEM"):
+            raise BackendError(f"addressing: got {addressing!r} for {provider}; 'symmetric' needs NVSHMEM, "
+                               f"expected one of {ADDRESSING}")
         del timeout_s  # see the docstring
         self._closed = False
         self.provider = provider
@@ -88,6 +137,8 @@ class TorchSymmetricMemory(SymmetricMemory):
             )
         with torch.cuda.device(self.device):
             _select_provider(symm_mem, provider)
+            if provider == "NVSHMEM":
+                _size_nvshmem_heap(nbytes, heap_size_mb)
             if provider == "NCCL":
                 # NCCL refuses a rendezvous as the communicator's first operation.
                 dist.barrier(group=group, device_ids=[self.device.index])
@@ -97,12 +148,17 @@ class TorchSymmetricMemory(SymmetricMemory):
                 self._handle = symm_mem.rendezvous(self._buffer, group.group_name)
             except Exception as exc:
                 raise BackendError(f"{provider} symmetric memory setup failed on rank {self.rank}: {exc}") from exc
-            self._peer_ptrs = [int(p) for p in self._handle.buffer_ptrs]
+            finally:
+                _nvshmem_started = _nvshmem_started or provider == "NVSHMEM"
+            if addressing == "symmetric":
+                self._peer_ptrs = [self._buffer.data_ptr()] * self.world_size
+            else:
+                self._peer_ptrs = [int(p) for p in self._handle.buffer_ptrs]
             if any(p == 0 for p in self._peer_ptrs):
                 missing = [r for r, p in enumerate(self._peer_ptrs) if p == 0]
                 raise BackendError(
                     f"rank {self.rank} cannot map the {provider} memory of rank(s) {missing} (no NVLink path); "
-                    "use the nccl backend's collective transport across nodes"
+                    "across nodes use nvshmem.transport 'put' or the nccl backend's collective transport"
                 )
             self._peer_ptrs_tensor = torch.tensor(self._peer_ptrs, dtype=torch.int64, device=self.device)
             torch.cuda.synchronize(self.device)
