@@ -274,7 +274,8 @@ def _print_table(rows: list[dict], tolerance: float) -> None:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from .config import load_config
-    from .launch import RankFailureError, run_ranks
+    from .errors import RankFailureError
+    from .launch import run_ranks
     from .verify import TOLERANCE, RunOptions, run_rank
 
     overrides = {} if args.backend is None else {"backend": args.backend}

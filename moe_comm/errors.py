@@ -16,6 +16,7 @@ __all__ = [
     "CompileError",
     "CommTimeoutError",
     "DeviceStatusError",
+    "RankFailureError",
 ]
 
 
@@ -45,3 +46,19 @@ class CommTimeoutError(MoeCommError, TimeoutError):
 
 class DeviceStatusError(MoeCommError, RuntimeError):
     """The device status word recorded a fault (invalid expert id, dropped tokens, timeout)."""
+
+
+class RankFailureError(MoeCommError, RuntimeError):
+    """One or more ranks started by ``moe_comm.launch.run_ranks`` raised, crashed or hung.
+
+    The message holds every failed rank's report.
+
+    Attributes:
+        failures: rank -> report text (traceback, exit code or stack dump), for every failed rank.
+        hung: the ranks that were still running at the deadline and were killed.
+    """
+
+    def __init__(self, message: str, failures: dict[int, str], hung: list[int]):
+        super().__init__(message)
+        self.failures = failures
+        self.hung = hung

@@ -32,9 +32,9 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
-from .errors import MoeCommError
+from .errors import RankFailureError
 
-__all__ = ["MULTICAST_OFF_ENV", "RankFailureError", "run_ranks"]
+__all__ = ["MULTICAST_OFF_ENV", "run_ranks"]
 
 # NVLink multicast can take a shared host's GPUs out of service (PLATFORM.md): every rank
 # process keeps NCCL, torch's symmetric memory and NVSHMEM off it. The launcher owns these
@@ -47,20 +47,6 @@ MULTICAST_OFF_ENV = {
 
 # Seconds a killed rank gets to write its stack dump before SIGKILL.
 _STACK_DUMP_WAIT_S = 0.5
-
-
-class RankFailureError(MoeCommError, RuntimeError):
-    """One or more ranks raised, crashed or hung; the message holds every rank's report.
-
-    Attributes:
-        failures: rank -> report text (traceback, exit code or stack dump), for every failed rank.
-        hung: the ranks that were still running at the deadline and were killed.
-    """
-
-    def __init__(self, message: str, failures: dict[int, str], hung: list[int]):
-        super().__init__(message)
-        self.failures = failures
-        self.hung = hung
 
 
 def _child(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from moe_comm.launch import RankFailureError
+from moe_comm.errors import RankFailureError
 from moe_comm.launch import run_ranks as _run_ranks
 
 __all__ = ["run_ranks"]
