@@ -25,8 +25,10 @@ _dispatcher_ids = itertools.count()
 class DispatchHandle:
     """What ``combine`` needs from its ``dispatch``: the routing, and the weights for autograd.
 
-    A handle holds its own routing tensors, so it stays valid after later dispatch calls (a
-    backward pass may combine several steps back).
+    A handle holds its own routing tensors (nothing of it lives in the dispatcher's buffers), so a
+    handle from an older step stays valid after later dispatch calls: a backward pass combines
+    several steps back, and two micro-batches may be dispatched before either is combined. Every
+    rank must combine the same step's handle (combine is collective, like dispatch).
     """
 
     dispatcher_id: int
@@ -61,7 +63,8 @@ class StatusReport:
     first_invalid: ``(source rank, token)`` of the first one, or None.
     num_dropped: assignments dropped because their expert was over ``expert_capacity``.
     first_dropped: ``(source rank, token)`` of the first one, or None.
-    timeout_phase: name of the first wait that timed out, or None. timeout_peer: its peer.
+    timeout_phase: name of the first wait that timed out, or None. timeout_peer: its peer
+        (None also when the transport cannot tell which peer is missing: a collective with more than two ranks).
     """
 
     num_invalid: int
@@ -138,7 +141,11 @@ class Dispatcher:
         self._closed = False
 
     def _check_same_config(self) -> list[tuple[str, str]]:
-        """Compare the config fingerprints of all ranks (one gather); returns every rank's host identity."""
+        """Compare the config fingerprints of all ranks (one gather); returns every rank's host identity.
+
+        Ranks that build their Dispatchers in a different order pair up different configs here,
+        so they get this error too (on every rank) instead of a hang or garbage later.
+        """
         mine = self.config.fingerprint()
         gathered: list = [None] * self.world_size
         dist.all_gather_object(gathered, (mine, host_identity()), group=self.group)
@@ -146,14 +153,24 @@ class Dispatcher:
         if others:
             raise ConfigError(
                 f"Dispatcher config differs between ranks: rank {self.rank} has fingerprint {mine}, "
-                f"ranks {others} have another; every rank must build its Dispatcher from the same config"
+                f"ranks {others} have another; every rank must build its Dispatchers from the same configs, "
+                "in the same order"
             )
         return [host for _, host in gathered]
 
     def _live_backend(self):
         if self._closed:
             raise MoeCommError("this Dispatcher is closed; build a new one")
+        if self.config.check_every_step and self._capturing():
+            # Raised before any launch, so the capture itself stays valid.
+            raise ConfigError(
+                "config key 'check_every_step' is true, but this call is being captured in a CUDA graph, where the "
+                "host cannot read the status; capture with check_every_step false and call check() after replays"
+            )
         return self._backend
+
+    def _capturing(self) -> bool:
+        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> DispatchOutput:
         """Send every token to the ranks holding its experts and lay the rows out expert-major.
@@ -175,6 +192,7 @@ class Dispatcher:
             raise InputError(
                 f"x: expected at most max_tokens_per_rank={cfg.max_tokens_per_rank} rows, got {num_tokens}"
             )
+        # [T, K]: T from x, K = topk from the config; a mismatch between the two names the one that is off.
         _check_tensor("topk_idx", topk_idx, (num_tokens, cfg.topk), _INDEX_DTYPES, self.device, "int32 or int64")
         _check_tensor("topk_weights", topk_weights, (num_tokens, cfg.topk), (torch.float32,), self.device, "float32")
         if torch.is_grad_enabled() and x.requires_grad:
@@ -214,8 +232,25 @@ class Dispatcher:
         return z
 
     def read_status(self) -> StatusReport:
-        """Read the device status word (a host sync; keep it off the hot path). Does not clear it."""
-        values = self._live_backend().status.tolist()
+        """Read the device status word (a host sync; keep it off the hot path). Does not clear it.
+
+        Waits at most about ``timeout_s`` for the device: a step stuck on a peer that never came
+        is reported as a timeout instead of blocking here (see ``Backend.wait_settled``).
+
+        Raises:
+            MoeCommError: called during CUDA graph capture (the host cannot read the device then).
+        """
+        backend = self._live_backend()
+        if self._capturing():
+            raise MoeCommError(
+                "read_status()/check() read the device status on the host, which cannot happen while a CUDA graph "
+                "is being captured; call it after the graph's replay"
+            )
+        stalled = backend.wait_settled()
+        if stalled is not None:
+            phase, peer = stalled
+            return StatusReport(0, None, 0, None, timeout_phase=phase, timeout_peer=peer)
+        values = backend.status.tolist()
         phase = values[layout.STATUS_TIMEOUT_PHASE]
         return StatusReport(
             num_invalid=values[layout.STATUS_NUM_INVALID],
@@ -238,9 +273,10 @@ class Dispatcher:
         self._live_backend().status.copy_(layout.new_status(self.device))
         problems = []
         if report.timeout_phase:
+            peer = "peer rank unknown" if report.timeout_peer is None else f"peer rank {report.timeout_peer}"
             problems.append(
                 f"rank {self.rank} timed out after {self.config.timeout_s} s in {report.timeout_phase} "
-                f"(peer rank {report.timeout_peer}); results of that step are invalid"
+                f"({peer}); results of that step are invalid"
             )
         if report.num_invalid:
             rank, token = report.first_invalid

@@ -6,7 +6,7 @@ import abc
 import logging
 import socket
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
@@ -67,6 +67,17 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def return_entry_values(self, row_vector: torch.Tensor, routing: Routing) -> torch.Tensor:
         """Bring a per-row float32 value ``[capacity_rows]`` back to its assignment: ``[T, K]`` float32."""
+
+    def wait_settled(self) -> Optional[tuple[str, Optional[int]]]:
+        """Wait, at most about ``timeout_s``, until the device has finished this backend's calls so far.
+
+        Called by ``Dispatcher.check`` before it reads the status word (a host sync that must not
+        block forever). Returns None when the calls finished, else ``(phase, peer)`` of the first
+        one still waiting on another rank (``peer`` None when the transport cannot tell which).
+        The device kernels bound every wait themselves and report it in the status word, so by
+        default there is nothing to wait for here.
+        """
+        return None
 
     def close(self) -> None:
         """Release what the backend holds; idempotent."""

@@ -12,16 +12,44 @@ NOTE: what the collective transport costs: it moves whole slabs, ``W * M`` rows 
 exchange whatever the routing (a padded, capacity-sized all-to-all), plus two small metadata
 exchanges in dispatch, and runs the layout as a chain of small torch kernels; the device
 kernels of ``vmm``/``nvshmem``/``nccl symmetric`` move only the rows that are sent.
+
+Failures are bounded by ``timeout_s`` (a rank that never makes its matching call):
+
+* ``reference`` (gloo): every exchange waits at most ``timeout_s`` on the host and then raises
+  :class:`~moe_comm.errors.CommTimeoutError` from the call, naming the exchange. gloo does not say
+  which peer is missing; with two ranks it can only be the other one, which the message names.
+* ``nccl`` collective: the exchange runs asynchronously on the GPU, so the call itself returns;
+  an NCCL all-to-all whose peer never arrives spins on the GPU forever (NCCL kernels have no
+  timeout of their own). torch's own bound is its watchdog: after the process group's timeout
+  (``init_process_group(timeout=...)``, 10 min by default) it logs the stuck ``ALLTOALL_BASE``
+  and, with ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` at its default (3), kills the whole process;
+  ``TORCH_NCCL_BLOCKING_WAIT=1`` would turn the timeout into an exception at the call instead,
+  but makes every collective wait on the host and is the user's setting, not ours. So this
+  backend bounds the wait itself: each eager exchange records a CUDA event, and
+  ``Dispatcher.check()`` (through :meth:`CollectiveBackend.wait_settled`) polls the stream for at
+  most ``timeout_s`` after the oldest unfinished exchange was issued. If it is still stuck, the
+  group's NCCL communicator is aborted (``ncclCommAbort``, through torch's backend ``abort()``):
+  that is the only thing that stops the spinning kernel, so the stream drains and the process
+  can exit, and the group, whose ranks are out of step anyway, is unusable afterwards. A stuck
+  exchange of a replayed CUDA graph is found the same way (it carries no event, so the error names
+  the graph rather than the exchange). Without a ``check()``, torch's watchdog is the only bound.
+* After a failed exchange every later call on the backend raises (its ranks' collectives are
+  out of step): build a new process group and ``Dispatcher``.
 """
 
 from __future__ import annotations
+
+import collections
+import time
+from datetime import timedelta
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from .. import layout
 from ..config import Config
-from ..errors import BackendError
+from ..errors import BackendError, CommTimeoutError
 from .base import Backend, DispatchResult
 
 __all__ = ["CollectiveBackend"]
@@ -49,6 +77,10 @@ class CollectiveBackend(Backend):
                 f"backend is {group_backend!r} (pass group=torch.distributed.new_group(backend={needed!r}))"
             )
         super().__init__(config, group, device, name)
+        # Set when an exchange failed or stalled: the ranks' collectives are out of step from then on.
+        self._failure: Optional[str] = None
+        # Eager CUDA exchanges not yet seen complete, oldest first: (phase, event after it, host time issued).
+        self._in_flight: collections.deque = collections.deque()
         if device.type == "cuda":
             # NCCL calls are captured into a CUDA graph only after they ran once on the stream;
             # one empty step here keeps that warm-up out of the user's first capture.
@@ -62,14 +94,90 @@ class CollectiveBackend(Backend):
         self.combine(result.x, result.routing)
         torch.cuda.synchronize(self.device)
 
-    def _exchange(self, slabs: torch.Tensor) -> torch.Tensor:
-        """Send slab ``r`` of ``slabs [W, ...]`` to rank ``r``; slab ``s`` of the result came from rank ``s``."""
+    def _peer(self) -> Optional[int]:
+        """The peer a stuck exchange waits for, when the world size tells (two ranks); else None."""
+        return 1 - self.rank if self.world_size == 2 else None
+
+    def _describe_peer(self) -> str:
+        peer = self._peer()
+        if peer is not None:
+            return f"peer rank {peer}"
+        others = [r for r in range(self.world_size) if r != self.rank]
+        return f"one of peer ranks {others}: a collective does not say which one is missing"
+
+    def _exchange(self, slabs: torch.Tensor, phase: str) -> torch.Tensor:
+        """Send slab ``r`` of ``slabs [W, ...]`` to rank ``r``; slab ``s`` of the result came from rank ``s``.
+
+        ``phase`` names the exchange in errors, e.g. ``"dispatch: all_to_all_single of expert ids"``.
+        """
+        if self._failure is not None:
+            raise BackendError(
+                f"backend {self.name!r} on rank {self.rank} cannot run {phase}: an earlier exchange failed "
+                f"({self._failure}); the ranks' collectives are out of step, so build a new process group "
+                "and Dispatcher"
+            )
         received = torch.empty_like(slabs)
-        dist.all_to_all_single(received, slabs.contiguous(), group=self.group)
+        if self.device.type == "cpu":
+            # gloo runs the exchange on its own thread: wait for it at most timeout_s.
+            work = dist.all_to_all_single(received, slabs.contiguous(), group=self.group, async_op=True)
+            try:
+                work.wait(timeout=timedelta(seconds=self.config.timeout_s))
+            except RuntimeError as exc:
+                self._raise_failed(phase, exc)
+        else:
+            dist.all_to_all_single(received, slabs.contiguous(), group=self.group)
+            if not torch.cuda.is_current_stream_capturing():
+                self._track(phase)
         return received
 
-    def _send_tokens(self, rows: torch.Tensor, send_mask: torch.Tensor) -> torch.Tensor:
-        return self._exchange(layout.gather_send_rows(rows, send_mask, self.config.max_tokens_per_rank))
+    def _raise_failed(self, phase: str, exc: RuntimeError) -> None:
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        timed_out = "timed out" in detail.lower()
+        what = f"timed out after {self.config.timeout_s} s" if timed_out else "failed"
+        self._failure = f"rank {self.rank} {what} in {phase} ({self._describe_peer()}): {detail}"
+        raise (CommTimeoutError if timed_out else BackendError)(self._failure) from exc
+
+    def _track(self, phase: str) -> None:
+        """Remember an eager CUDA exchange until it is seen complete (cheap: an event query, no sync)."""
+        while self._in_flight and self._in_flight[0][1].query():
+            self._in_flight.popleft()
+        event = torch.cuda.Event()
+        event.record()
+        self._in_flight.append((phase, event, time.monotonic()))
+
+    def wait_settled(self) -> Optional[tuple[str, Optional[int]]]:
+        """Poll the stream for at most ``timeout_s`` after the oldest unfinished exchange; abort the group if stuck.
+
+        Returns None when every exchange finished (always on CPU: gloo exchanges finish or raise in
+        the call), else ``(phase, peer)`` of the first stuck exchange; the group's NCCL
+        communicator is then aborted (see the module docstring).
+        """
+        if self.device.type != "cuda" or self._failure is not None:
+            return None
+        done = torch.cuda.Event()
+        done.record()
+        started = self._in_flight[0][2] if self._in_flight else time.monotonic()
+        deadline = started + self.config.timeout_s
+        while not done.query():
+            if time.monotonic() > deadline:
+                return self._stalled()
+            time.sleep(0.001)
+        self._in_flight.clear()
+        return None
+
+    def _stalled(self) -> tuple[str, Optional[int]]:
+        stuck = [phase for phase, event, _ in self._in_flight if not event.query()]
+        phase = stuck[0] if stuck else "an all_to_all_single of a replayed CUDA graph"
+        self._failure = f"rank {self.rank} timed out after {self.config.timeout_s} s in {phase} ({self._describe_peer()})"
+        group = self.group if self.group is not None else dist.group.WORLD
+        # The only way to stop an NCCL kernel that waits for a peer that never comes; without it the
+        # stream never drains and the process cannot exit.
+        group._get_backend(self.device).abort()
+        return f"{phase}; the group's NCCL communicator was aborted so this process can go on: rebuild the " \
+               "process group to communicate again", self._peer()
+
+    def _send_tokens(self, rows: torch.Tensor, send_mask: torch.Tensor, phase: str) -> torch.Tensor:
+        return self._exchange(layout.gather_send_rows(rows, send_mask, self.config.max_tokens_per_rank), phase)
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> DispatchResult:
         cfg = self.config
@@ -81,9 +189,9 @@ class CollectiveBackend(Backend):
             (self.world_size, cfg.max_tokens_per_rank, cfg.topk), -1, dtype=torch.int32, device=x.device
         )
         expert_slabs[:, :num_tokens] = slab_expert
-        recv_expert = self._exchange(expert_slabs)
-        recv_weight = self._send_tokens(topk_weights, send_mask)
-        recv_rows = self._send_tokens(x, send_mask)
+        recv_expert = self._exchange(expert_slabs, "dispatch: all_to_all_single of expert ids")
+        recv_weight = self._send_tokens(topk_weights, send_mask, "dispatch: all_to_all_single of router weights")
+        recv_rows = self._send_tokens(x, send_mask, "dispatch: all_to_all_single of token rows")
         plan = layout.plan_destination(
             recv_expert, self.num_local_experts, cfg.expert_alignment, cfg.expert_capacity, self.status
         )
@@ -92,14 +200,16 @@ class CollectiveBackend(Backend):
         return DispatchResult(out_x, plan.expert_offsets, plan.tokens_per_expert, routing)
 
     def redispatch(self, x: torch.Tensor, routing: layout.Routing) -> torch.Tensor:
-        recv_rows = self._send_tokens(x, routing.send_mask)
+        recv_rows = self._send_tokens(x, routing.send_mask, "redispatch: all_to_all_single of token rows")
         return layout.expand_rows(recv_rows, routing.recv_pos, self.capacity_rows)
 
     def combine(self, y: torch.Tensor, routing: layout.Routing, weighted: bool = True) -> torch.Tensor:
         weights = routing.recv_weight if weighted else None
         partials = layout.reduce_partials(y, routing.recv_pos, weights)
-        return layout.sum_returned(self._exchange(partials), routing.send_mask)
+        returned = self._exchange(partials, "combine: all_to_all_single of partial sums")
+        return layout.sum_returned(returned, routing.send_mask)
 
     def return_entry_values(self, row_vector: torch.Tensor, routing: layout.Routing) -> torch.Tensor:
         entry_values = layout.scatter_entry_values(row_vector, routing.recv_pos)
-        return layout.gather_entry_values(self._exchange(entry_values), routing.dest_rank)
+        returned = self._exchange(entry_values, "return_entry_values: all_to_all_single of entry values")
+        return layout.gather_entry_values(returned, routing.dest_rank)
