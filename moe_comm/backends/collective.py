@@ -137,10 +137,14 @@ class CollectiveBackend(Backend):
         self._failure = f"rank {self.rank} {what} in {phase} ({self._describe_peer()}): {detail}"
         raise (CommTimeoutError if timed_out else BackendError)(self._failure) from exc
 
-    def _track(self, phase: str) -> None:
-        """Remember an eager CUDA exchange until it is seen complete (cheap: an event query, no sync)."""
+    def _forget_finished(self) -> None:
+        """Drop the oldest tracked exchanges that have finished (an event query each, no sync)."""
         while self._in_flight and self._in_flight[0][1].query():
             self._in_flight.popleft()
+
+    def _track(self, phase: str) -> None:
+        """Remember an eager CUDA exchange until it is seen complete."""
+        self._forget_finished()
         event = torch.cuda.Event()
         event.record()
         self._in_flight.append((phase, event, time.monotonic()))
@@ -156,6 +160,7 @@ class CollectiveBackend(Backend):
             return None
         done = torch.cuda.Event()
         done.record()
+        self._forget_finished()  # the deadline runs from the oldest exchange still running
         started = self._in_flight[0][2] if self._in_flight else time.monotonic()
         deadline = started + self.config.timeout_s
         while not done.query():
