@@ -56,7 +56,8 @@ _COMBINE_THREADS = 512
 _COMBINE_SEND_VPL = 2
 _COMBINE_RECV_VPL = 4
 _VALUES_THREADS = 512
-_LAYOUT_MAX_THREADS = 1024
+_LAYOUT_THREADS = 512
+_LAYOUT_ROWS_PER_BLOCK = 64
 # Dynamic shared memory the layout kernel may use (H100/H200 allow 227 KiB per block).
 _LAYOUT_SHARED_LIMIT = 200 * 1024
 
@@ -219,15 +220,22 @@ class DispatchKernels:
         self._send_const = self._prefix + ((layout.meta_offset, _L), (layout.recv_x_offset, _L), (num_experts, _I))
         self._redispatch_const = self._prefix + ((layout.recv_x_offset, _L),)
 
-        # The layout kernel: one block, as many warps as its per-warp counters fit in shared memory.
-        warps = min(_LAYOUT_MAX_THREADS // 32, _LAYOUT_SHARED_LIMIT // (4 * num_local_experts) - 2)
+        # The layout kernel: about _LAYOUT_ROWS_PER_BLOCK slab rows per block, at most one block per
+        # SM (its blocks wait for each other, so all must be resident), as many warps as their
+        # per-warp counters fit in shared memory; its blocks publish their counts in local scratch.
+        warps = min(_LAYOUT_THREADS // 32, _LAYOUT_SHARED_LIMIT // (4 * num_local_experts) - 3)
         if warps < 1:
             raise BackendError(
                 f"num_local_experts={num_local_experts} is too many for the layout kernel's shared memory; "
                 f"use more ranks or fewer experts"
             )
         self._layout_threads = warps * 32
-        self._layout_shared = (warps + 2) * num_local_experts * 4
+        self._layout_shared = (warps + 3) * num_local_experts * 4
+        self._layout_grid = max(1, min(device_sms, _cdiv(args.world_size * args.max_tokens, _LAYOUT_ROWS_PER_BLOCK)))
+        self._layout_block_counts = torch.zeros(
+            (self._layout_grid, num_local_experts), dtype=torch.int32, device=device
+        )
+        self._layout_block_flags = torch.zeros(self._layout_grid, dtype=torch.int64, device=device)
         capacity = 2**31 - 1 if expert_capacity is None else min(int(expert_capacity), 2**31 - 1)
         self._layout_const = self._prefix + (
             (layout.meta_offset, _L),
@@ -287,7 +295,7 @@ class DispatchKernels:
         """Destination side: waits for every source, writes ``recv_pos``/``recv_weight`` ``[W, M, K]`` and
         ``expert_offsets``/``tokens_per_expert`` ``[L]`` (int32, float32, int32, int32)."""
         self._layout.launch(
-            1,
+            self._layout_grid,
             self._layout_threads,
             self._layout_const
             + (
@@ -295,6 +303,8 @@ class DispatchKernels:
                 (recv_weight.data_ptr(), _P),
                 (expert_offsets.data_ptr(), _P),
                 (tokens_per_expert.data_ptr(), _P),
+                (self._layout_block_counts.data_ptr(), _P),
+                (self._layout_block_flags.data_ptr(), _P),
             ),
             shared_bytes=self._layout_shared,
         )

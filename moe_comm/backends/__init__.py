@@ -12,6 +12,8 @@
 
 import functools
 
+import torch.distributed as dist
+
 from ..errors import BackendError
 from .base import Backend, DispatchResult, host_identity, resolve_backend_name
 
@@ -41,7 +43,8 @@ def create_backend(name: str, config, group, device) -> Backend:
     elif name == "nvshmem":
         from ..symm.torch_symm import TorchSymmetricMemory
 
-        put = config.nvshmem.transport == "put"
+        # One rank has no peer to put to: its buffer is local (TorchSymmetricMemory) and stores reach it.
+        put = config.nvshmem.transport == "put" and dist.get_world_size(group) > 1
         factory = functools.partial(
             TorchSymmetricMemory, provider="NVSHMEM", addressing="symmetric" if put else "mapped",
             heap_size_mb=config.nvshmem.heap_size_mb,

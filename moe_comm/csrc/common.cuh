@@ -92,6 +92,9 @@ static_assert(TOPK >= 1 && TOPK <= 32, "TOPK must be in [1, 32] (one lane per co
 #define TIMEOUT_TO_DEST_ARRIVAL 2
 #define TIMEOUT_TO_SOURCE_ACK 3
 #define TIMEOUT_TO_SOURCE_ARRIVAL 4
+// The layout kernel's blocks wait for each other (peer = this rank): a block never started,
+// e.g. other kernels held the SMs past timeout_ns.
+#define TIMEOUT_LAYOUT_BLOCKS 5
 
 #define STATE_EPOCH 0
 #define STATE_DONE 2
@@ -232,6 +235,16 @@ __device__ __forceinline__ void st_release_sys(u64* p, u64 v) {
     asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
+__device__ __forceinline__ void st_release_gpu(u64* p, u64 v) {
+    asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ int ld_relaxed_gpu_i32(const i32* p) {
+    int v;
+    asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
 __device__ __forceinline__ void st_relaxed_sys(u64* p, u64 v) {
     asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
@@ -292,16 +305,18 @@ __device__ __forceinline__ void block_wait_flags(i64 base, int world, int channe
 
 // ------------------------------------------------------------------------ last block done
 
-// Every block calls this once at its end. Each thread's earlier stores (also to peers) are made
+// Every block calls this once at its end. The block's earlier stores (also to peers) are made
 // visible system-wide, the block counts itself in `*counter`, and the block that counts last
 // gets true (and resets the counter for the next launch or graph replay). What the last block
 // does afterwards (release-store a flag) is ordered after every block's stores and loads.
+// One system fence per block suffices: fences are cumulative over the writes the barrier ordered
+// before it (the pattern of cooperative groups' grid sync); a fence in every thread cost several
+// microseconds per kernel.
 __device__ __forceinline__ bool last_block_done(u64* counter) {
     __shared__ int is_last;
 #if TRANSPORT_PUT
     nvshmem_quiet();  // this thread's puts have landed at their PEs
 #endif
-    __threadfence_system();
     __syncthreads();
     if (threadIdx.x == 0) {
         __threadfence_system();
@@ -372,7 +387,6 @@ __device__ __forceinline__ void signal_every_rank(const i64* s_peer, int rank, i
         nvshmem_fence();
         nvshmem_uint64_p(flag_at(s_peer[r], world, channel, kind, rank), epoch, r);
 #else
-        __threadfence_system();
         if (with_count) st_relaxed_sys(flag_at(s_peer[r], world, channel, FLAG_COUNT, rank), count);
         st_release_sys(flag_at(s_peer[r], world, channel, kind, rank), epoch);
 #endif

@@ -16,9 +16,12 @@
 //         ids are counted into the status word (count + smallest (R << 32 | t)).
 //     The last block to finish writes count[0][R] = T and then release-stores arrival[0][R] = e
 //     into every rank's flags (after a system-scope fence of every block).
-//   dispatch_layout (on the destination, 1 block): waits until arrival[0][s] >= e for every s
-//     (acquire), reads T_s = count[0][s]; slab rows t >= T_s are empty. Ranks the entries
-//     (s, t, k) of each local expert in lexicographic order, applies the capacity (rank >= C:
+//   dispatch_layout (on the destination, up to one block per SM): waits until arrival[0][s] >= e
+//     for every s (acquire), reads T_s = count[0][s]; slab rows t >= T_s are empty. Ranks the
+//     entries (s, t, k) of each local expert in lexicographic order (block b takes the b-th range
+//     of rows, counts its entries per expert, publishes the counts with a local flag stamped e,
+//     and offsets its ranks by the counts of the blocks before it: every block of the grid must be
+//     resident at once, so the grid is at most one block per SM), applies the capacity (rank >= C:
 //     dropped, pos -2, counted with the smallest (s << 32 | t)), aligns the segments, and writes
 //     recv_pos [W, M, K], recv_weight [W, M, K], expert_offsets [L], tokens_per_expert [L]:
 //     exactly moe_comm.layout.plan_destination.
@@ -174,12 +177,14 @@ __device__ __forceinline__ int source_of_row(const i64* begin, int world, i64 v)
     return lo;
 }
 
-// Dynamic shared memory: (warps + 2) * num_local int32 (per-warp counts, totals, segment starts).
+// Dynamic shared memory: (warps + 3) * num_local int32 (per-warp counts, block totals, earlier
+// blocks' counts, segment starts). block_counts [gridDim.x, num_local] int32 and block_flags
+// [gridDim.x] u64 are local device scratch of this kernel (flags start at 0).
 extern "C" __global__ void __launch_bounds__(LAYOUT_MAX_THREADS) dispatch_layout(
     const i64* __restrict__ peers, int rank, int world, int max_tokens, u64* state, i64* status, i64 timeout_ns,
     i64 off_meta, int num_local, int alignment, int capacity,
     i32* __restrict__ recv_pos, float* __restrict__ recv_weight, i32* __restrict__ expert_offsets,
-    i32* __restrict__ tokens_per_expert) {
+    i32* __restrict__ tokens_per_expert, i32* __restrict__ block_counts, u64* __restrict__ block_flags) {
     extern __shared__ i32 smem[];
     __shared__ i32 s_tokens[MAX_WORLD];
     __shared__ i64 s_begin[MAX_WORLD + 1];
@@ -187,8 +192,9 @@ extern "C" __global__ void __launch_bounds__(LAYOUT_MAX_THREADS) dispatch_layout
     const int warp = threadIdx.x >> 5;
     const int warps = blockDim.x >> 5;
     i32* s_count = smem;                           // [warps][num_local]
-    i32* s_total = smem + warps * num_local;       // [num_local]
-    i32* s_start = s_total + num_local;            // [num_local]
+    i32* s_total = smem + warps * num_local;       // [num_local]: this block's, then every block's
+    i32* s_before = s_total + num_local;           // [num_local]: entries of the blocks before this one
+    i32* s_start = s_before + num_local;           // [num_local]
 
     const i64 base = peers[rank];
     const u64 epoch = state[STATE_EPOCH + CH_TO_DEST] + 1;
@@ -219,9 +225,12 @@ extern "C" __global__ void __launch_bounds__(LAYOUT_MAX_THREADS) dispatch_layout
     const bool lane_used = tile_row < rows_per_tile;
     const i64 total_rows = s_begin[world];
     const i64 num_tiles = (total_rows + rows_per_tile - 1) / rows_per_tile;
-    const i64 per_warp = (num_tiles + warps - 1) / warps;
-    const i64 tile_begin = imin64(num_tiles, warp * per_warp);
-    const i64 tile_end = imin64(num_tiles, tile_begin + per_warp);
+    const i64 per_block = (num_tiles + gridDim.x - 1) / gridDim.x;
+    const i64 block_begin = imin64(num_tiles, blockIdx.x * per_block);
+    const i64 block_end = imin64(num_tiles, block_begin + per_block);
+    const i64 per_warp = (block_end - block_begin + warps - 1) / warps;
+    const i64 tile_begin = imin64(block_end, block_begin + warp * per_warp);
+    const i64 tile_end = imin64(block_end, tile_begin + per_warp);
     const u32 row_lanes = TOPK == 32 ? FULL_MASK : ((1u << (TOPK & 31)) - 1u) << ((tile_row * TOPK) & 31);
     i32* my_count = s_count + warp * num_local;
 
@@ -261,6 +270,30 @@ extern "C" __global__ void __launch_bounds__(LAYOUT_MAX_THREADS) dispatch_layout
     }
     __syncthreads();
 
+    // Publish this block's counts, wait for every block's, and take the entries of the blocks
+    // before this one (they hold the earlier tiles) and every block's totals.
+    for (int j = threadIdx.x; j < num_local; j += blockDim.x) block_counts[blockIdx.x * num_local + j] = s_total[j];
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        st_release_gpu(block_flags + blockIdx.x, epoch);
+    }
+    for (int b = threadIdx.x; b < gridDim.x; b += blockDim.x) {
+        wait_flag_geq(block_flags + b, epoch, status, TIMEOUT_LAYOUT_BLOCKS, rank, timeout_ns);
+    }
+    __syncthreads();
+    for (int j = threadIdx.x; j < num_local; j += blockDim.x) {
+        int before = 0, total = 0;
+        for (int b = 0; b < static_cast<int>(gridDim.x); ++b) {
+            const int c = ld_relaxed_gpu_i32(block_counts + b * num_local + j);
+            before += b < static_cast<int>(blockIdx.x) ? c : 0;
+            total += c;
+        }
+        s_before[j] = before;
+        s_total[j] = total;
+    }
+    __syncthreads();
+
     // Kept counts, aligned segments and their cumulative ends (warp 0, 32 experts at a time).
     if (warp == 0) {
         int carry = 0;
@@ -280,8 +313,10 @@ extern "C" __global__ void __launch_bounds__(LAYOUT_MAX_THREADS) dispatch_layout
             const int end = carry + inclusive;
             if (j < num_local) {
                 s_start[j] = end - segment;
-                expert_offsets[j] = end;
-                tokens_per_expert[j] = kept;
+                if (blockIdx.x == 0) {
+                    expert_offsets[j] = end;
+                    tokens_per_expert[j] = kept;
+                }
             }
             carry = __shfl_sync(FULL_MASK, end, 31);
         }
@@ -316,7 +351,7 @@ extern "C" __global__ void __launch_bounds__(LAYOUT_MAX_THREADS) dispatch_layout
             const u32 same = __match_any_sync(FULL_MASK, j);
             const u32 nonempty = __ballot_sync(FULL_MASK, j >= 0);
             const bool first_of_expert = j >= 0 && (same & lanemask_lt()) == 0u;
-            const int rank_in_expert = j >= 0 ? my_count[j] + __popc(same & lanemask_lt()) : 0;
+            const int rank_in_expert = j >= 0 ? s_before[j] + my_count[j] + __popc(same & lanemask_lt()) : 0;
             __syncwarp();
             if (first_of_expert) my_count[j] += __popc(same);
             __syncwarp();
@@ -344,7 +379,7 @@ extern "C" __global__ void __launch_bounds__(LAYOUT_MAX_THREADS) dispatch_layout
     for (int s = 0; s < world; ++s) {
         const i64 begin = (static_cast<i64>(s) * max_tokens + s_tokens[s]) * TOPK;
         const i64 end = static_cast<i64>(s + 1) * max_tokens * TOPK;
-        for (i64 i = begin + threadIdx.x; i < end; i += blockDim.x) {
+        for (i64 i = begin + blockIdx.x * blockDim.x + threadIdx.x; i < end; i += gridDim.x * blockDim.x) {
             recv_pos[i] = -1;
             recv_weight[i] = 0.0f;
         }

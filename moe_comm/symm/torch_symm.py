@@ -6,6 +6,9 @@ NCCL's window mapping); the device kernels then read and write peers exactly as 
 This reaches the peers that the provider can map into this process: the GPUs of one NVLink
 domain.
 
+A group of one rank has no peers to share with (and torch's NVSHMEM rendezvous refuses a group of
+one): its buffer is then an ordinary device allocation, and the kernels' "remote" writes are local.
+
 With ``addressing="symmetric"`` (the NVSHMEM put transport) every entry of the peer table is
 this rank's own address of the buffer instead: kernels then name a peer's copy by that address
 and the peer's rank (NVSHMEM puts), which also reaches peers on other nodes.
@@ -135,6 +138,12 @@ class TorchSymmetricMemory(SymmetricMemory):
                 "NVSHMEM is not available to torch here (symm_mem.is_nvshmem_available() is False); install the "
                 "nvidia-nvshmem wheel matching torch's CUDA (the nvshmem or nvshmem-cu13 extra) or pick vmm or nccl"
             )
+        if self.world_size == 1:
+            self._handle = None
+            self._buffer = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+            self._peer_ptrs = [self._buffer.data_ptr()]
+            self._peer_ptrs_tensor = torch.tensor(self._peer_ptrs, dtype=torch.int64, device=self.device)
+            return
         with torch.cuda.device(self.device):
             _select_provider(symm_mem, provider)
             if provider == "NVSHMEM":
