@@ -192,7 +192,8 @@ def masked_experts(
     """SwiGLU of every local expert on its segment with static shapes: graph-capturable on any GPU and dtype.
 
     Each expert runs over all ``N`` rows and keeps the rows of its own segment (``E_local`` times
-    the FLOPs of :func:`grouped_experts`): slicing a segment would need its bounds on the host.
+    the FLOPs and saved activations of :func:`grouped_experts`): slicing a segment would need its
+    bounds on the host.
 
     Args and returns: as :func:`grouped_experts`; rows at or past ``expert_offsets[-1]`` get zeros.
     """
