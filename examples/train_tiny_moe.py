@@ -217,6 +217,10 @@ def main(argv=None) -> int:
     problems = []
     if args.graph and not gpu:
         problems.append("--graph needs CUDA GPUs (the CPU ranks of the reference backend cannot be captured)")
+    if gpu and world_size > torch.cuda.device_count():
+        problems.append(f"--world-size {world_size}: one rank per GPU, and this machine has {torch.cuda.device_count()}")
+    if world_size < 1:
+        problems.append(f"--world-size: got {world_size}, expected at least 1")
     if args.steps < 2 * WINDOW or (args.graph and args.steps <= WARMUP_STEPS):
         problems.append(f"--steps: got {args.steps}, expected at least {max(2 * WINDOW, WARMUP_STEPS + 1)}")
     if config.max_tokens_per_rank % args.seq_len:

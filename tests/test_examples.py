@@ -53,3 +53,4 @@ def test_train_tiny_moe_refuses_bad_options():
     assert main(["--backend", "reference", "--graph"]) == 2  # no GPUs here (or reference backend)
     assert main(["--backend", "reference", "--steps", "2"]) == 2
     assert main(["--backend", "reference", "--seq-len", "7"]) == 2
+    assert main(["--backend", "reference", "--world-size", "-1"]) == 2
