@@ -211,4 +211,8 @@ def test_layer_on_gpu_backend(backend_id, requires_gpus):
         for (name, check), errors in results.items():
             dtype = moe_comm.load_config(None, **LAYER_CONFIGS[name][0]).torch_dtype
             tolerance = (TOLERANCE if check.startswith("reference") else GRAPH_TOLERANCE)[dtype]
+            if check == "reference, 2 layers":
+                # bf16 rounding compounds through stacked layers: 2.3e-2 on 2x H200, the same on
+                # every backend to all digits (the transports are bitwise equal), so arithmetic.
+                tolerance *= 2
             assert_within(errors, tolerance, f"{backend_id}, rank {rank}, {name}, {check}")
