@@ -5,8 +5,12 @@ workload (tokens per rank x routing) each system runs dispatch -> identity exper
 times are medians over ``repeats`` measurements taken after a warm-up, each between two CUDA
 events (a host clock on CPU), with the ranks aligned by a barrier first and the inputs rotated
 over several sets so that caches do not flatter. moe_comm is measured eager and graph-replayed;
-the padded baseline graph-replayed; the host-split baseline eager (it synchronises). Every
-system's combine result is checked once per workload against the expected ``sum_k w_k x_t``.
+the padded baseline graph-replayed; the host-split baseline eager (it synchronises); torch's
+NVSHMEM ``all_to_all_vdev_2d`` baseline graph-replayed, or eager with the reason in the table's
+note if torch refuses to capture it, and listed as unavailable (with the reason) where it cannot
+run: no GPU or NVSHMEM, or this process already uses another symmetric-memory provider (moe_comm's
+``nccl`` symmetric transport). Every system's combine result is checked once per workload against
+the expected ``sum_k w_k x_t``.
 
 Bandwidth is reported two ways: bytes that cross the link (rows sent to other ranks) and bytes
 received including the rank's own rows (the convention DeepEP reports).
@@ -28,7 +32,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .baselines import HostSplitAllToAll, PaddedAllToAll
+from .baselines import HostSplitAllToAll, PaddedAllToAll, SymmMemAllToAll2d
 from .config import DTYPES, load_config
 from .dispatcher import Dispatcher
 
@@ -145,6 +149,12 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want).abs().max() / want.abs().max().clamp(min=1e-30))
 
 
+def _first_line(exc: BaseException) -> str:
+    """``Type: first line of the message``, short enough for a table cell."""
+    lines = str(exc).splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
 def _graph(device: torch.device, body: Callable[[], object]):
     """Capture ``body`` (already run eagerly once) into a CUDA graph; returns the graph and what body returned."""
     graph = torch.cuda.CUDAGraph()
@@ -238,9 +248,19 @@ def _measure_baseline(baseline, options: BenchOptions, work: _Workload, device: 
         baseline.combine(baseline.dispatch(*work.static))
 
     if graphs:
-        graph_d, graph_rows = _graph(device, lambda: baseline.dispatch(*work.static))
-        graph_c, _ = _graph(device, lambda: baseline.combine(graph_rows))
-        graph_all, _ = _graph(device, lambda: baseline.combine(baseline.dispatch(*work.static)))
+        try:
+            graph_d, graph_rows = _graph(device, lambda: baseline.dispatch(*work.static))
+            graph_c, _ = _graph(device, lambda: baseline.combine(graph_rows))
+            graph_all, _ = _graph(device, lambda: baseline.combine(baseline.dispatch(*work.static)))
+            failure = None
+        except RuntimeError as exc:  # torch refused to capture it: measure it eagerly, say why
+            failure = f"eager: CUDA graph capture failed ({_first_line(exc)})"
+        failures: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(failures, failure, group=group)  # replay only where every rank captured
+        failure = next((f for f in failures if f is not None), None)
+        if failure is not None:
+            result["note"] = failure
+            return {**result, **_measure_baseline(baseline, options, work, device, group, graphs=False)}
         result["graph"] = {
             "dispatch_us": timer.median_us(graph_d.replay, work.load),
             "combine_us": timer.median_us(graph_c.replay, lambda i: None),
@@ -267,9 +287,52 @@ def _rows(system: str, measured: dict, num_tokens: int, routing: str, num_sms: O
             system=system, mode=mode, tokens=num_tokens, routing=routing, num_sms=num_sms,
             cross_gbps=cross_bytes / (dispatch_us * 1e3) if cross_bytes and dispatch_us else None,
             received_gbps=received_bytes / (dispatch_us * 1e3) if received_bytes and dispatch_us else None,
-            extra={"combine_error": measured["error"]}, **times,
+            note=measured.get("note", ""), extra={"combine_error": measured["error"]}, **times,
         ))
     return rows
+
+
+def _open_symm_baseline(options: BenchOptions, device: torch.device, group):
+    """``(SymmMemAllToAll2d or None, reason it is unavailable)``, the same on every rank (collective)."""
+    world_size = dist.get_world_size(group)
+
+    def agreed(reason: Optional[str]) -> Optional[str]:
+        reasons: list = [None] * world_size
+        dist.all_gather_object(reasons, reason, group=group)
+        return next((r for r in reasons if r is not None), None)
+
+    reason = agreed(SymmMemAllToAll2d.unavailable_reason(options.num_experts, device, group))
+    if reason is not None:
+        return None, reason
+    baseline = None
+    try:
+        baseline = SymmMemAllToAll2d(options.num_experts, options.topk, max(options.tokens), options.hidden,
+                                     DTYPES[options.dtype], device, group)
+    except Exception as exc:  # e.g. torch's NCCL symmetric memory already in use, or the NVSHMEM heap is full
+        reason = _first_line(exc)
+    reason = agreed(reason)
+    return (baseline, None) if reason is None else (None, reason)
+
+
+def _symm_baseline_rows(state: list, options: BenchOptions, work: _Workload, device: torch.device, group,
+                        num_tokens: int, routing: str) -> list[Row]:
+    """Rows of the NVSHMEM baseline for one workload; ``state`` is ``[baseline, reason]``, opened on first use.
+
+    It is opened after moe_comm's first dispatcher so that moe_comm's own backend picks torch's
+    symmetric-memory provider first (a process can use one); once it fails it stays unavailable.
+    """
+    if not state:
+        state.extend(_open_symm_baseline(options, device, group))
+    baseline, reason = state
+    if baseline is not None:
+        try:
+            measured = _measure_baseline(baseline, options, work, device, group, graphs=True)
+            return _rows(SymmMemAllToAll2d.name, measured, num_tokens, routing, None, 0, 0)
+        except Exception as exc:  # a failure of torch's op is reported, not fatal to the whole run
+            state[:] = [None, f"failed: {_first_line(exc)}"]
+            reason = state[1]
+    return [Row(system=SymmMemAllToAll2d.name, mode="unavailable", tokens=num_tokens, routing=routing, note=reason,
+                extra={"combine_error": None})]
 
 
 def bench_rank(rank: int, world_size: int, options: BenchOptions) -> list[dict]:
@@ -277,6 +340,7 @@ def bench_rank(rank: int, world_size: int, options: BenchOptions) -> list[dict]:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     group = None
     rows: list[Row] = []
+    symm_state: list = []  # the NVSHMEM baseline and why it is unavailable, once opened
     for routing in options.routings:
         for num_tokens in options.tokens:
             work = _Workload(options, num_tokens, routing, rank, device)
@@ -292,6 +356,8 @@ def bench_rank(rank: int, world_size: int, options: BenchOptions) -> list[dict]:
                 padded = _measure_baseline(PaddedAllToAll(options.num_experts, group), options, work, device,
                                            group, graphs=True)
                 rows += _rows(PaddedAllToAll.name, padded, num_tokens, routing, None, 0, 0)
+            if options.baselines:
+                rows += _symm_baseline_rows(symm_state, options, work, device, group, num_tokens, routing)
             if rank == 0:
                 print(f"moe-comm bench: {routing} T={num_tokens} done", file=sys.stderr, flush=True)
     for num_tokens in options.sweep_tokens if options.sms_sweep else ():
@@ -318,7 +384,8 @@ def _average_over_ranks(rows: list[dict], rank: int, world_size: int, group) -> 
         for key in ("dispatch_us", "combine_us", "total_us", "cross_gbps", "received_gbps"):
             values = [r[key] for r in per_rank if r[key] is not None]
             row[key] = sum(values) / len(values) if values else None
-        row["extra"] = {"combine_error": max(r["extra"]["combine_error"] for r in per_rank)}
+        errors = [r["extra"]["combine_error"] for r in per_rank if r["extra"]["combine_error"] is not None]
+        row["extra"] = {"combine_error": max(errors) if errors else None}
         merged.append(row)
     return merged
 
@@ -331,14 +398,17 @@ def markdown_table(rows: list[dict]) -> str:
     """The results as a markdown table (one line per system, mode and workload)."""
     lines = [
         "| system | mode | routing | T | num_sms | dispatch us | combine us | dispatch+combine us | "
-        "dispatch GB/s (cross-link) | dispatch GB/s (received) | combine rel. error |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "dispatch GB/s (cross-link) | dispatch GB/s (received) | combine rel. error | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
+        error = row["extra"]["combine_error"]
+        note = row.get("note", "").replace("|", "/").replace("\n", " ")
         lines.append(
             f"| {row['system']} | {row['mode']} | {row['routing']} | {row['tokens']} | {row['num_sms'] or '-'} | "
             f"{_cell(row['dispatch_us'])} | {_cell(row['combine_us'])} | {_cell(row['total_us'])} | "
-            f"{_cell(row['cross_gbps'])} | {_cell(row['received_gbps'])} | {row['extra']['combine_error']:.1e} |"
+            f"{_cell(row['cross_gbps'])} | {_cell(row['received_gbps'])} | "
+            f"{'-' if error is None else f'{error:.1e}'} | {note} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -5,12 +5,71 @@ from __future__ import annotations
 import json
 
 import torch
+import torch.distributed as dist
 
-from moe_comm.baselines import HostSplitAllToAll, PaddedAllToAll
+from moe_comm.baselines import HostSplitAllToAll, PaddedAllToAll, SymmMemAllToAll2d, chunks_per_rank, covered_rows
 from moe_comm.bench import BenchOptions, bench_rank, make_routing, write_results
 from multirank import run_ranks
 
 EXPERTS, TOPK, HIDDEN, TOKENS = 8, 3, 16, 6
+
+
+def _exchange(rows: torch.Tensor, send: list, recv: list) -> torch.Tensor:
+    out = rows.new_empty((sum(recv),) + tuple(rows.shape[1:]))
+    dist.all_to_all_single(out, rows[: sum(send)].contiguous(), recv, send)
+    return out
+
+
+class _GlooAllToAll2d(SymmMemAllToAll2d):
+    """The NVSHMEM baseline on CPU ranks: torch's two ops emulated with gloo ``all_to_all_single``.
+
+    The emulation follows torch 2.11's ``nvshmem_extension.cu``: ``all_to_all_vdev_2d`` writes the
+    received chunks expert-block-major, each block's length rounded up to ``major_align`` (1) and at
+    least 1; ``all_to_all_vdev_2d_offset`` reads chunks at the given offsets and writes them packed,
+    rank-major. Both fill ``out_splits_offsets`` (lengths, starts).
+    """
+
+    def __init__(self, *args, max_chunks: int = 16) -> None:
+        self.MAX_CHUNKS_PER_RANK = max_chunks
+        super().__init__(*args)
+
+    def _open_symmetric_memory(self, nbytes: int) -> str:
+        return "gloo"
+
+    def _empty(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        return torch.full(shape, 0x5A if dtype == torch.uint8 else -7, dtype=dtype)  # stale data must not leak
+
+    def _exchange_2d(self, rows, out, in_splits, out_splits_offsets) -> None:
+        world, chunks = self.world_size, self.num_chunks
+        send_counts = in_splits.view(world, chunks)  # [destination rank, block]
+        recv_counts = torch.empty_like(send_counts)  # [source rank, block]
+        dist.all_to_all_single(recv_counts, send_counts)
+        received = _exchange(rows, send_counts.sum(1).tolist(), recv_counts.sum(1).tolist())
+        source_start = torch.cumsum(recv_counts.sum(1), 0) - recv_counts.sum(1)
+        starts = torch.zeros(chunks, world, dtype=torch.int64)
+        pos = 0
+        for block in range(chunks):
+            first = pos
+            for src in range(world):
+                count, at = int(recv_counts[src, block]), int(source_start[src] + recv_counts[src, :block].sum())
+                starts[block, src] = pos
+                out[pos:pos + count] = received[at:at + count]
+                pos += count
+            pos = first + max(pos - first, 1)  # major_align 1: an empty block takes one row
+        out_splits_offsets[0] = recv_counts.t().reshape(-1)
+        out_splits_offsets[1] = starts.reshape(-1)
+
+    def _exchange_2d_offset(self, rows, out, in_splits_offsets, out_splits_offsets) -> None:
+        world, chunks = self.world_size, self.num_chunks
+        lengths, starts = in_splits_offsets[0].view(chunks, world), in_splits_offsets[1].view(chunks, world)
+        send = torch.cat([rows[int(starts[b, p]):int(starts[b, p] + lengths[b, p])]
+                          for p in range(world) for b in range(chunks)])
+        recv_counts = torch.empty(world, chunks, dtype=torch.int64)  # [source rank, block]
+        dist.all_to_all_single(recv_counts, lengths.t().contiguous())
+        received = _exchange(send, lengths.sum(0).tolist(), recv_counts.sum(1).tolist())
+        out[: received.shape[0]] = received
+        out_splits_offsets[0] = recv_counts.reshape(-1)
+        out_splits_offsets[1] = torch.cumsum(recv_counts.reshape(-1), 0) - recv_counts.reshape(-1)
 
 
 def _baselines_match(rank: int, world: int) -> None:
@@ -18,8 +77,23 @@ def _baselines_match(rank: int, world: int) -> None:
     idx, weights = make_routing("skewed", TOKENS, EXPERTS, TOPK, generator)
     x = torch.randn(TOKENS, HIDDEN, generator=generator)
     local = EXPERTS // world
-    for baseline in (HostSplitAllToAll(EXPERTS), PaddedAllToAll(EXPERTS)):
+    cpu = torch.device("cpu")
+    baselines = (
+        HostSplitAllToAll(EXPERTS), PaddedAllToAll(EXPERTS),
+        # One expert per chunk (as torch's op takes up to 16), then blocks of two experts per chunk
+        # (what the op's 16-chunk limit forces on the 128 experts per rank of the headline workload).
+        _GlooAllToAll2d(EXPERTS, TOPK, TOKENS + 2, HIDDEN, x.dtype, cpu),
+        _GlooAllToAll2d(EXPERTS, TOPK, TOKENS + 2, HIDDEN, x.dtype, cpu, None, max_chunks=2),
+    )
+    assert [b.num_chunks for b in baselines[2:]] == [local, 2]
+    every_idx = [torch.empty_like(idx) for _ in range(world)]
+    dist.all_gather(every_idx, idx)
+    mine = torch.cat(every_idx).reshape(-1) // local == rank
+    for baseline in baselines:
         rows = baseline.dispatch(x, idx, weights)
+        # Exactly the rows sent to this rank carry an expert id (padding and unwritten rows: -1).
+        assert torch.equal(torch.sort(baseline.row_expert[baseline.row_expert >= 0]).values,
+                           torch.sort(torch.cat(every_idx).reshape(-1)[mine] % local).values), baseline.name
         # Expert e's rows are scaled by e + 1, so a row combined under the wrong expert shows.
         assert rows.shape[0] == baseline.row_expert.shape[0]
         y = rows * (baseline.row_expert[:, None] + 1 + rank * local).float()
@@ -32,14 +106,26 @@ def test_baselines_compute_the_moe_result():
     run_ranks(_baselines_match, 2)
 
 
+def test_chunks_and_covered_rows():
+    # torch's all_to_all_vdev_2d takes at most 16 chunks per rank: 128 experts go as 16 blocks of 8.
+    assert [chunks_per_rank(n, 16) for n in (1, 4, 16, 128, 12, 17)] == [1, 4, 16, 16, 12, 1]
+    # Chunks [0, 2), empty at 2, [3, 4) in 6 rows: rows 2, 4 and 5 are in none.
+    splits_offsets = torch.tensor([[2, 0, 1], [0, 2, 3]])
+    assert covered_rows(splits_offsets, 6).tolist() == [True, True, False, True, False, False]
+
+
 def test_bench_rows_and_files(tmp_path):
     options = BenchOptions(tokens=(4,), routings=("uniform",), hidden=16, num_experts=4, topk=2,
                            dtype="float32", backend="reference", repeats=2, warmup=1)
     rows = run_ranks(bench_rank, 2, options)[0]
-    assert [(r["system"], r["mode"], r["tokens"]) for r in rows] == [("moe_comm", "eager", 4)]
+    assert [(r["system"], r["mode"], r["tokens"]) for r in rows] == [
+        ("moe_comm", "eager", 4), (SymmMemAllToAll2d.name, "unavailable", 4)]
+    assert rows[1]["note"] == "needs CUDA GPUs (NVSHMEM)" and rows[1]["extra"]["combine_error"] is None
     assert rows[0]["extra"]["combine_error"] < 1e-5
     assert all(rows[0][key] > 0 for key in ("dispatch_us", "combine_us", "total_us"))
     written = write_results(rows, {"world_size": 2, "device": "CPU"}, tmp_path, "smoke")
     assert json.loads((tmp_path / "smoke.json").read_text())["rows"] == rows
-    assert "| moe_comm | eager | uniform | 4 |" in (tmp_path / "smoke.md").read_text()
+    table = (tmp_path / "smoke.md").read_text()
+    assert "| moe_comm | eager | uniform | 4 |" in table
+    assert f"| {SymmMemAllToAll2d.name} | unavailable | uniform | 4 |" in table and "needs CUDA GPUs" in table
     assert {p.suffix for p in written} >= {".json", ".md"}
