@@ -139,7 +139,9 @@ class Config:
         keeps its own segment (static shapes, graph-capturable, ``E_local`` times the FLOPs), on
         CPU each expert runs on its exact rows. ``auto``: ``grouped_mm`` where it is supported,
         else ``loop``.
-    num_sms: streaming multiprocessors the communication kernels may occupy.
+    num_sms: blocks (one per SM) of the kernels that push token rows to peers (dispatch's and
+        redispatch's senders); the receiving side's layout, expansion and combine, which mostly
+        read and write local memory, use every SM of the device.
     timeout_s: longest wait on another rank before the wait gives up and reports the peer
         and the phase.
     check_every_step: read the device status after every call and raise on a fault (a host
