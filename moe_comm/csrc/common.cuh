@@ -344,12 +344,7 @@ __device__ __forceinline__ void remote_st32(u32* dst, u32 value, int pe) {
 }
 
 __device__ __forceinline__ void remote_stf32(float* dst, float value, int pe) {
-#if TRANSPORT_PUT
-    nvshmem_float_p(dst, value, pe);
-#else
-    (void)pe;
-    *dst = value;
-#endif
+    remote_st32(reinterpret_cast<u32*>(dst), __float_as_uint(value), pe);
 }
 
 // One unit of a row: lane `lane` holds vectors v0 + 32 u (u < VPL) of the row in `vals`; they are
