@@ -36,6 +36,15 @@
 #define COMBINE_RECV_VPL 4
 #define VALUES_THREADS 512
 
+template <int VPL>
+__device__ __forceinline__ void zero_acc(float (&acc)[VPL][ELEMS_PER_VEC]) {
+#pragma unroll
+    for (int u = 0; u < VPL; ++u) {
+#pragma unroll
+        for (int e = 0; e < ELEMS_PER_VEC; ++e) acc[u][e] = 0.0f;
+    }
+}
+
 // acc[u][:] += (weighted ? w * row : row) for the VPL vectors of one unit, rounded per operation.
 template <int VPL>
 __device__ __forceinline__ void accumulate(float (&acc)[VPL][ELEMS_PER_VEC], const Vec16 (&vals)[VPL], float w,
@@ -80,11 +89,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) combine_send(
             const u32 kept = __ballot_sync(FULL_MASK, lane < TOPK && pos >= 0 && pos < capacity_rows);
             const int v0 = chunk * Chunks::kVecs + lane;
             float acc[COMBINE_SEND_VPL][ELEMS_PER_VEC];
-#pragma unroll
-            for (int u = 0; u < COMBINE_SEND_VPL; ++u) {
-#pragma unroll
-                for (int e = 0; e < ELEMS_PER_VEC; ++e) acc[u][e] = 0.0f;
-            }
+            zero_acc<COMBINE_SEND_VPL>(acc);
             // Entries in increasing k, four at a time: loads first, then the ordered sums.
 #pragma unroll
             for (int k0 = 0; k0 < TOPK; k0 += 4) {
@@ -93,12 +98,8 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) combine_send(
                 for (int i = 0; i < 4; ++i) {
                     const int k = k0 + i;
                     if (k < TOPK && ((kept >> k) & 1u)) {
-                        const u8* src = rows + static_cast<i64>(batch.pos[r * TOPK + k]) * ROW_BYTES;
-#pragma unroll
-                        for (int u = 0; u < COMBINE_SEND_VPL; ++u) {
-                            const int v = v0 + 32 * u;
-                            if (v < ROW_VECS) vals[i][u] = ld16_nc(src + static_cast<i64>(v) * 16);
-                        }
+                        load_unit_nc<COMBINE_SEND_VPL>(rows + static_cast<i64>(batch.pos[r * TOPK + k]) * ROW_BYTES,
+                                                       vals[i], v0);
                     }
                 }
 #pragma unroll
@@ -158,11 +159,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) combine_recv(
         const int chunk = static_cast<int>(unit - static_cast<i64>(t) * Chunks::kPerRow);
         const int v0 = chunk * Chunks::kVecs + lane;
         float acc[COMBINE_RECV_VPL][ELEMS_PER_VEC];
-#pragma unroll
-        for (int u = 0; u < COMBINE_RECV_VPL; ++u) {
-#pragma unroll
-            for (int e = 0; e < ELEMS_PER_VEC; ++e) acc[u][e] = 0.0f;
-        }
+        zero_acc<COMBINE_RECV_VPL>(acc);
         // Ranks in increasing order, up to four partial rows in flight at once.
         u64 pending = warp_dest_set(send_mask + static_cast<i64>(t) * world, world);
         while (pending != 0ull) {
@@ -179,12 +176,8 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) combine_recv(
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 if (from[i] >= 0) {
-                    const u8* src = returned + (static_cast<i64>(from[i]) * max_tokens + t) * ROW_BYTES;
-#pragma unroll
-                    for (int u = 0; u < COMBINE_RECV_VPL; ++u) {
-                        const int v = v0 + 32 * u;
-                        if (v < ROW_VECS) vals[i][u] = ld16(src + static_cast<i64>(v) * 16);
-                    }
+                    load_unit<COMBINE_RECV_VPL>(returned + (static_cast<i64>(from[i]) * max_tokens + t) * ROW_BYTES,
+                                                vals[i], v0);
                 }
             }
 #pragma unroll
@@ -200,10 +193,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) combine_recv(
         }
     }
 
-    if (last_block_done(state + STATE_DONE + SLOT_COMBINE_RECV)) {
-        signal_every_rank(s_peer, rank, world, CH_TO_SOURCE, FLAG_ACK, epoch, false, 0);
-        if (threadIdx.x == 0) state[STATE_EPOCH + CH_TO_SOURCE] = epoch;
-    }
+    acknowledge_and_advance(state, SLOT_COMBINE_RECV, s_peer, rank, world, CH_TO_SOURCE, epoch);
 }
 
 // ---------------------------------------------------------------------------- values_send
@@ -256,8 +246,5 @@ extern "C" __global__ void __launch_bounds__(VALUES_THREADS) values_recv(
         out[i] = r >= 0 && r < world ? returned[r * per_slab + i] : 0.0f;
     }
 
-    if (last_block_done(state + STATE_DONE + SLOT_VALUES_RECV)) {
-        signal_every_rank(s_peer, rank, world, CH_TO_SOURCE, FLAG_ACK, epoch, false, 0);
-        if (threadIdx.x == 0) state[STATE_EPOCH + CH_TO_SOURCE] = epoch;
-    }
+    acknowledge_and_advance(state, SLOT_VALUES_RECV, s_peer, rank, world, CH_TO_SOURCE, epoch);
 }

@@ -347,6 +347,27 @@ __device__ __forceinline__ void remote_stf32(float* dst, float value, int pe) {
     remote_st32(reinterpret_cast<u32*>(dst), __float_as_uint(value), pe);
 }
 
+// One unit of a row: lane `lane` loads vectors v0 + 32 u (u < VPL) of the row at `src` into
+// `vals`. load_unit_nc: read-only input of the whole kernel (user tensors); load_unit: memory
+// peers wrote (after the acquire that synchronised with them) or this kernel's own rows.
+template <int VPL>
+__device__ __forceinline__ void load_unit_nc(const u8* src, Vec16 (&vals)[VPL], int v0) {
+#pragma unroll
+    for (int u = 0; u < VPL; ++u) {
+        const int v = v0 + 32 * u;
+        if (v < ROW_VECS) vals[u] = ld16_nc(src + static_cast<i64>(v) * 16);
+    }
+}
+
+template <int VPL>
+__device__ __forceinline__ void load_unit(const u8* src, Vec16 (&vals)[VPL], int v0) {
+#pragma unroll
+    for (int u = 0; u < VPL; ++u) {
+        const int v = v0 + 32 * u;
+        if (v < ROW_VECS) vals[u] = ld16(src + static_cast<i64>(v) * 16);
+    }
+}
+
 // One unit of a row: lane `lane` holds vectors v0 + 32 u (u < VPL) of the row in `vals`; they are
 // stored at the same vector indices of `dst` (local memory, or a peer's over NVLink).
 template <int VPL>
@@ -385,6 +406,16 @@ __device__ __forceinline__ void signal_every_rank(const i64* s_peer, int rank, i
         if (with_count) st_relaxed_sys(flag_at(s_peer[r], world, channel, FLAG_COUNT, rank), count);
         st_release_sys(flag_at(s_peer[r], world, channel, kind, rank), epoch);
 #endif
+    }
+}
+
+// The end of a receiving kernel (every block calls it): the last block acknowledges `channel`
+// to every rank (their slabs here may be overwritten) and records `epoch` as completed.
+__device__ __forceinline__ void acknowledge_and_advance(u64* state, int slot, const i64* s_peer, int rank,
+                                                        int world, int channel, u64 epoch) {
+    if (last_block_done(state + STATE_DONE + slot)) {
+        signal_every_rank(s_peer, rank, world, channel, FLAG_ACK, epoch, false, 0);
+        if (threadIdx.x == 0) state[STATE_EPOCH + channel] = epoch;
     }
 }
 

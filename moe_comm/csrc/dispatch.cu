@@ -59,25 +59,27 @@ __device__ __forceinline__ u64 leader_dest_set(u32 leaders, int dest) {
     return dest_set;
 }
 
-// Warp-wide: one unit of a token row (vals, vectors v0 + 32 u) to slab row `row_offset` of every
-// rank in `dests`. With puts the unit is first stored into this rank's own slab row (the copy
-// NVSHMEM reads; it is also the delivery when this rank is a destination, and is never read as a
-// token otherwise: this rank's metadata row then has no local entry).
-template <int VPL>
-__device__ __forceinline__ void send_unit(const i64* s_peer, int rank, u64 dests, i64 row_offset,
-                                          const Vec16 (&vals)[VPL], int chunk, int v0) {
+// Warp-wide: unit `chunk` of token row t of x [T, H] to slab row recv_x[rank][t] of every rank in
+// `dests`. With puts the unit is first stored into this rank's own slab row (the copy NVSHMEM
+// reads; it is also the delivery when this rank is a destination, and is never read as a token
+// otherwise: this rank's metadata row then has no local entry).
+__device__ __forceinline__ void send_token_unit(const i64* s_peer, int rank, int max_tokens, i64 off_recv_x,
+                                                const void* x, int t, int chunk, u64 dests) {
+    typedef RowChunks<SEND_VPL> Chunks;
+    const i64 row_offset = off_recv_x + (static_cast<i64>(rank) * max_tokens + t) * ROW_BYTES;
+    const int v0 = chunk * Chunks::kVecs + (threadIdx.x & 31);
+    Vec16 vals[SEND_VPL];
+    load_unit_nc<SEND_VPL>(static_cast<const u8*>(x) + static_cast<i64>(t) * ROW_BYTES, vals, v0);
 #if TRANSPORT_PUT
     const u8* staged = reinterpret_cast<const u8*>(s_peer[rank] + row_offset);
-    store_unit<VPL>(const_cast<u8*>(staged), vals, v0);
+    store_unit<SEND_VPL>(const_cast<u8*>(staged), vals, v0);
     for (u64 m = dests & ~(1ull << rank); m != 0ull; m &= m - 1ull) {
         const int r = __ffsll(static_cast<i64>(m)) - 1;
-        put_unit<VPL>(reinterpret_cast<u8*>(s_peer[r] + row_offset), staged, chunk, r);
+        put_unit<SEND_VPL>(reinterpret_cast<u8*>(s_peer[r] + row_offset), staged, chunk, r);
     }
 #else
-    (void)rank;
-    (void)chunk;
     for (u64 m = dests; m != 0ull; m &= m - 1ull) {
-        store_unit<VPL>(reinterpret_cast<u8*>(s_peer[__ffsll(static_cast<i64>(m)) - 1] + row_offset), vals, v0);
+        store_unit<SEND_VPL>(reinterpret_cast<u8*>(s_peer[__ffsll(static_cast<i64>(m)) - 1] + row_offset), vals, v0);
     }
 #endif
 }
@@ -143,18 +145,7 @@ extern "C" __global__ void __launch_bounds__(SEND_THREADS) dispatch_send(
             }
         }
 
-        if (dest_set != 0ull) {
-            const u8* src = static_cast<const u8*>(x) + static_cast<i64>(t) * ROW_BYTES;
-            const i64 row_offset = off_recv_x + (static_cast<i64>(rank) * max_tokens + t) * ROW_BYTES;
-            const int v0 = chunk * Chunks::kVecs + lane;
-            Vec16 vals[SEND_VPL];
-#pragma unroll
-            for (int u = 0; u < SEND_VPL; ++u) {
-                const int v = v0 + 32 * u;
-                if (v < ROW_VECS) vals[u] = ld16_nc(src + static_cast<i64>(v) * 16);
-            }
-            send_unit<SEND_VPL>(s_peer, rank, dest_set, row_offset, vals, chunk, v0);
-        }
+        if (dest_set != 0ull) send_token_unit(s_peer, rank, max_tokens, off_recv_x, x, t, chunk, dest_set);
     }
     if (lane == 0 && num_invalid != 0) status_add_offenders(status, STATUS_NUM_INVALID, num_invalid, first_invalid);
 
@@ -165,16 +156,16 @@ extern "C" __global__ void __launch_bounds__(SEND_THREADS) dispatch_send(
 
 // ------------------------------------------------------------------------- dispatch_layout
 
-// The source of virtual row v (rows of all sources concatenated, t < T_s only): the largest s
-// with begin[s] <= v.
-__device__ __forceinline__ int source_of_row(const i64* begin, int world, i64 v) {
+// The slab row g = s * M + t of virtual row v (rows t < T_s of all sources concatenated): s is
+// the largest source with begin[s] <= v.
+__device__ __forceinline__ i64 slab_row_of(const i64* begin, int world, int max_tokens, i64 v) {
     int lo = 0, hi = world - 1;
     while (lo < hi) {
         const int mid = (lo + hi + 1) >> 1;
         if (begin[mid] <= v) lo = mid;
         else hi = mid - 1;
     }
-    return lo;
+    return static_cast<i64>(lo) * max_tokens + (v - begin[lo]);
 }
 
 // Dynamic shared memory: (warps + 3) * num_local int32 (per-warp counts, block totals, earlier
@@ -242,8 +233,7 @@ extern "C" __global__ void __launch_bounds__(LAYOUT_MAX_THREADS) dispatch_layout
             ids[b] = -1;
             const i64 v = (tile0 + b) * rows_per_tile + tile_row;
             if (lane_used && tile0 + b < tile_end && v < total_rows) {
-                const int s = source_of_row(s_begin, world, v);
-                const i64 g = static_cast<i64>(s) * max_tokens + (v - s_begin[s]);
+                const i64 g = slab_row_of(s_begin, world, max_tokens, v);
                 const int j = static_cast<int>(meta[g * META_WORDS + k]);
                 ids[b] = j >= 0 && j < num_local ? j : -1;
             }
@@ -337,8 +327,7 @@ extern "C" __global__ void __launch_bounds__(LAYOUT_MAX_THREADS) dispatch_layout
             rows[b] = -1;
             const i64 v = (tile0 + b) * rows_per_tile + tile_row;
             if (lane_used && tile0 + b < tile_end && v < total_rows) {
-                const int s = source_of_row(s_begin, world, v);
-                const i64 g = static_cast<i64>(s) * max_tokens + (v - s_begin[s]);
+                const i64 g = slab_row_of(s_begin, world, max_tokens, v);
                 const int j = static_cast<int>(meta[g * META_WORDS + k]);
                 ids[b] = j >= 0 && j < num_local ? j : -1;
                 weights[b] = __uint_as_float(meta[g * META_WORDS + TOPK + k]);
@@ -429,11 +418,7 @@ extern "C" __global__ void __launch_bounds__(EXPAND_THREADS) dispatch_expand(
             const u8* src = recv + batch_row(shape, q, r) * ROW_BYTES;
             const int v0 = chunk * Chunks::kVecs + lane;
             Vec16 vals[EXPAND_VPL];
-#pragma unroll
-            for (int u = 0; u < EXPAND_VPL; ++u) {
-                const int v = v0 + 32 * u;
-                if (v < ROW_VECS) vals[u] = ld16(src + static_cast<i64>(v) * 16);
-            }
+            load_unit<EXPAND_VPL>(src, vals, v0);
             for (u32 m = kept; m != 0u; m &= m - 1u) {
                 const int k = __ffs(static_cast<int>(m)) - 1;
                 u8* dst = out + static_cast<i64>(batch.pos[r * TOPK + k]) * ROW_BYTES;
@@ -470,10 +455,7 @@ extern "C" __global__ void __launch_bounds__(EXPAND_THREADS) dispatch_expand(
         }
     }
 
-    if (last_block_done(state + STATE_DONE + SLOT_DISPATCH_EXPAND)) {
-        signal_every_rank(s_peer, rank, world, CH_TO_DEST, FLAG_ACK, epoch, false, 0);
-        if (threadIdx.x == 0) state[STATE_EPOCH + CH_TO_DEST] = epoch;
-    }
+    acknowledge_and_advance(state, SLOT_DISPATCH_EXPAND, s_peer, rank, world, CH_TO_DEST, epoch);
 }
 
 // ------------------------------------------------------------------------- redispatch_send
@@ -490,7 +472,6 @@ extern "C" __global__ void __launch_bounds__(SEND_THREADS) redispatch_send(
     __syncthreads();
     block_wait_flags(s_peer[rank], world, CH_TO_DEST, FLAG_ACK, epoch - 1, status, TIMEOUT_TO_DEST_ACK, timeout_ns);
 
-    const int lane = threadIdx.x & 31;
     const int warps = blockDim.x >> 5;
     const i64 num_units = static_cast<i64>(num_tokens) * Chunks::kPerRow;
     for (i64 unit = static_cast<i64>(blockIdx.x) * warps + (threadIdx.x >> 5); unit < num_units;
@@ -498,17 +479,7 @@ extern "C" __global__ void __launch_bounds__(SEND_THREADS) redispatch_send(
         const int t = static_cast<int>(unit / Chunks::kPerRow);
         const int chunk = static_cast<int>(unit - static_cast<i64>(t) * Chunks::kPerRow);
         const u64 dests = warp_dest_set(send_mask + static_cast<i64>(t) * world, world);
-        if (dests == 0ull) continue;
-        const u8* src = static_cast<const u8*>(x) + static_cast<i64>(t) * ROW_BYTES;
-        const i64 row_offset = off_recv_x + (static_cast<i64>(rank) * max_tokens + t) * ROW_BYTES;
-        const int v0 = chunk * Chunks::kVecs + lane;
-        Vec16 vals[SEND_VPL];
-#pragma unroll
-        for (int u = 0; u < SEND_VPL; ++u) {
-            const int v = v0 + 32 * u;
-            if (v < ROW_VECS) vals[u] = ld16_nc(src + static_cast<i64>(v) * 16);
-        }
-        send_unit<SEND_VPL>(s_peer, rank, dests, row_offset, vals, chunk, v0);
+        if (dests != 0ull) send_token_unit(s_peer, rank, max_tokens, off_recv_x, x, t, chunk, dests);
     }
 
     if (last_block_done(state + STATE_DONE + SLOT_REDISPATCH_SEND)) {
