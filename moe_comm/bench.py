@@ -3,8 +3,12 @@
 One rank per local GPU (or CPU ranks on the ``reference`` backend, for a smoke run). For every
 workload (tokens per rank x routing) each system runs dispatch -> identity experts -> combine;
 times are medians over ``repeats`` measurements taken after a warm-up, each between two CUDA
-events (a host clock on CPU), with the ranks aligned by a barrier first and the inputs rotated
-over several sets so that caches do not flatter. moe_comm is measured eager and graph-replayed;
+events (a host clock on CPU), with the inputs rotated over several sets so that caches do not
+flatter. Before each measurement the ranks are aligned: for a graph replay on the GPU (a short
+spin kernel covers the host's enqueueing, then an all_reduce that every GPU leaves at the same
+moment, then the start event), so the time is the replay's, as in a decode loop whose steps keep
+the ranks in lockstep; for an eager call on the host (an all_reduce and a synchronize), so the
+time includes the Python and launch overheads that the call adds. moe_comm is measured eager and graph-replayed;
 the padded baseline graph-replayed; the host-split baseline eager (it synchronises); torch's
 NVSHMEM ``all_to_all_vdev_2d`` baseline graph-replayed, or eager with the reason in the table's
 note if torch refuses to capture it, and listed as unavailable (with the reason) where it cannot
@@ -42,6 +46,9 @@ __all__ = ["BenchOptions", "bench_rank", "write_results", "main"]
 NUM_INPUT_SETS = 4
 # Experts that the skewed routing favours.
 NUM_HOT_EXPERTS = 8
+# GPU cycles of the spin kernel before an aligning all_reduce (~100 us: longer than the host
+# needs to enqueue the all_reduce, the events and a graph replay).
+_ALIGN_SPIN_CYCLES = 200_000
 
 
 @dataclass(frozen=True)
@@ -110,17 +117,27 @@ class _Timer:
         self.warmup = warmup
         self._flag = torch.zeros(1, device=device)
 
-    def _align(self) -> None:
+    def _align(self, on_gpu: bool) -> None:
+        if on_gpu:
+            torch.cuda.synchronize(self.device)
+            torch.cuda._sleep(_ALIGN_SPIN_CYCLES)
+            dist.all_reduce(self._flag, group=self.group)
+            return
         dist.all_reduce(self._flag, group=self.group)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def median_us(self, run: Callable[[], None], prepare: Callable[[int], None]) -> float:
-        """``prepare(i)`` (untimed: e.g. copy input set i into static buffers), then ``run()`` timed."""
+    def median_us(self, run: Callable[[], None], prepare: Callable[[int], None], *, replay: bool = False) -> float:
+        """``prepare(i)`` (untimed: e.g. copy input set i into static buffers), then ``run()`` timed.
+
+        ``replay``: ``run`` replays a CUDA graph; the ranks are then aligned on the GPU (see the module
+        docstring), else on the host.
+        """
         samples = []
+        on_gpu = replay and self.device.type == "cuda"
         for i in range(self.warmup + self.repeats):
             prepare(i)
-            self._align()
+            self._align(on_gpu)
             if self.device.type == "cuda":
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
@@ -224,9 +241,9 @@ def _measure_moe_comm(options: BenchOptions, work: _Workload, group, num_sms: in
             graph_c, _ = _graph(disp.device, lambda: disp.combine(graph_out.x, graph_out.handle))
             graph_all, _ = _graph(disp.device, lambda: _moe_comm_step(disp, work))
             result["graph"] = {
-                "dispatch_us": timer.median_us(graph_d.replay, work.load),
-                "combine_us": timer.median_us(graph_c.replay, lambda i: None),
-                "total_us": timer.median_us(graph_all.replay, work.load),
+                "dispatch_us": timer.median_us(graph_d.replay, work.load, replay=True),
+                "combine_us": timer.median_us(graph_c.replay, lambda i: None, replay=True),
+                "total_us": timer.median_us(graph_all.replay, work.load, replay=True),
             }
         disp.check()
     return result
@@ -262,9 +279,9 @@ def _measure_baseline(baseline, options: BenchOptions, work: _Workload, device: 
             result["note"] = failure
             return {**result, **_measure_baseline(baseline, options, work, device, group, graphs=False)}
         result["graph"] = {
-            "dispatch_us": timer.median_us(graph_d.replay, work.load),
-            "combine_us": timer.median_us(graph_c.replay, lambda i: None),
-            "total_us": timer.median_us(graph_all.replay, work.load),
+            "dispatch_us": timer.median_us(graph_d.replay, work.load, replay=True),
+            "combine_us": timer.median_us(graph_c.replay, lambda i: None, replay=True),
+            "total_us": timer.median_us(graph_all.replay, work.load, replay=True),
         }
     else:
         result["eager"] = {

@@ -1,9 +1,9 @@
 """Launchers of the CUDA kernels in ``moe_comm/csrc`` (one method per ``extern "C"`` entry point).
 
-``DispatchKernels`` launches ``csrc/dispatch.cu`` (``dispatch_send``, ``dispatch_layout``,
-``dispatch_expand``, ``redispatch_send``) and ``CombineKernels`` launches ``csrc/combine.cu``
-(``combine_send``, ``combine_recv``, ``values_send``, ``values_recv``). The protocol each kernel
-follows is stated at the top of its ``.cu`` file. Both classes load every entry point in their
+``DispatchKernels`` launches ``csrc/dispatch.cu`` (``dispatch``, ``redispatch``) and
+``CombineKernels`` launches ``csrc/combine.cu`` (``combine``, ``values_send``, ``values_recv``):
+one launch per dispatch, redispatch or combine. The protocol each kernel follows is stated at
+the top of its ``.cu`` file. Both classes load every entry point in their
 constructor (compiling it through :mod:`moe_comm.jit` when it is not cached), so a launcher
 never compiles or loads anything: it builds an argument tuple and calls ``cuLaunchKernel`` on
 torch's current stream, which works eagerly and under CUDA-graph capture alike.
@@ -43,22 +43,17 @@ MAX_TOPK = 32        # one lane per column of topk_idx
 STATE_WORDS = 16
 
 _CHANNELS = 2
-_FLAG_KINDS = 3  # arrival, count, ack
+_FLAG_KINDS = 4  # arrival, count, ack, metadata
 _ALIGN = 256
 
-# Block shapes and per-lane vectors per unit (csrc: *_THREADS, *_VPL). Only grid
-# sizes depend on them here: a mismatch changes how many blocks launch, never a result.
-_SEND_THREADS = 512
+# Block shapes (csrc: *_THREADS, which must match) and the send phase's vectors per lane per unit
+# (csrc SEND_VPL: a mismatch only changes how many blocks send, never a result).
+_DISPATCH_THREADS = 512
 _SEND_VPL = 8
-_EXPAND_THREADS = 512
-_EXPAND_VPL = 2
 _COMBINE_THREADS = 512
-_COMBINE_SEND_VPL = 2
-_COMBINE_RECV_VPL = 4
 _VALUES_THREADS = 512
-_LAYOUT_THREADS = 512
-_LAYOUT_ROWS_PER_BLOCK = 64
-# Dynamic shared memory the layout kernel may use (H100/H200 allow 227 KiB per block).
+_LAYOUT_ROWS_PER_BLOCK = 256
+# Dynamic shared memory the layout phase may use (H100/H200 allow 227 KiB per block).
 _LAYOUT_SHARED_LIMIT = 200 * 1024
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
@@ -102,8 +97,9 @@ class SymmetricLayout:
     ``W`` ranks, ``M = max_tokens``, ``K = topk``, rows of ``row_bytes``; every region starts at a
     multiple of 256 bytes.
 
-    * ``flags``    u64 ``[2 channels][3 kinds][W]`` at offset 0: arrival (written by the sender),
-      count (the sender's T), ack (written by the receiver into the sender's memory).
+    * ``flags``    u64 ``[2 channels][4 kinds][W]`` at offset 0: arrival (written by the sender),
+      count (the sender's T), ack (written by the receiver into the sender's memory), metadata
+      (dispatch: the sender's metadata rows and count have landed; its rows may still be in flight).
     * ``meta``     u32 ``[W, M, meta_words]``: slab ``s`` written by source ``s`` in dispatch: K local
       expert ids (-1 none), then K float32 weights, padded to a multiple of 4 words.
     * ``ret_vals`` f32 ``[W, M, K]``: slab ``r`` written by destination ``r`` (return_entry_values).
@@ -178,12 +174,16 @@ class CommArgs:
 class DispatchKernels:
     """Launchers of ``csrc/dispatch.cu`` for one backend (loads every entry point now).
 
+    Both kernels run one block per SM of the device (their blocks wait for each other, so all
+    must be resident at once); the first ``num_sms`` blocks push rows to peers, every block takes
+    part in the local layout and expansion.
+
     Args:
         device: the CUDA device (with an index). defines: :func:`kernel_defines`.
         args: the common leading arguments. layout: the symmetric allocation's regions.
         num_experts: E. num_local_experts: L. expert_alignment: A. expert_capacity: C or None.
-        capacity_rows: rows of ``out.x``. num_sms: blocks of the communication kernels.
-        device_sms: the device's SM count (the local expand may use all of them).
+        capacity_rows: rows of ``out.x``. num_sms: blocks that push rows to peers.
+        device_sms: the device's SM count (the grid).
         toolchain: external headers of this build (:class:`moe_comm.jit.Toolchain`; NVSHMEM's for
             the put transport).
     """
@@ -204,77 +204,67 @@ class DispatchKernels:
         device_sms: int,
         toolchain: jit.Toolchain = jit.Toolchain(),
     ) -> None:
-        load = lambda entry: jit.load_function(device, "dispatch", entry, defines, toolchain=toolchain)  # noqa: E731
-        self._send = load("dispatch_send")
-        self._layout = load("dispatch_layout")
-        self._expand = load("dispatch_expand")
-        self._redispatch = load("redispatch_send")
-        self._prefix = args.prefix()
-        self._world = args.world_size
-        self._max_tokens = args.max_tokens
-        self._topk = layout.topk
-        self._num_sms = num_sms
-        self._send_chunks = _chunks_per_row(layout.row_bytes, _SEND_VPL)
-        self._send_warps = _SEND_THREADS // 32
-
-        self._send_const = self._prefix + ((layout.meta_offset, _L), (layout.recv_x_offset, _L), (num_experts, _I))
-        self._redispatch_const = self._prefix + ((layout.recv_x_offset, _L),)
-
-        # The layout kernel: about _LAYOUT_ROWS_PER_BLOCK slab rows per block, at most one block per
-        # SM (its blocks wait for each other, so all must be resident), as many warps as their
-        # per-warp counters fit in shared memory; its blocks publish their counts in local scratch.
-        warps = min(_LAYOUT_THREADS // 32, _LAYOUT_SHARED_LIMIT // (4 * num_local_experts) - 3)
-        if warps < 1:
+        # The layout phase keeps per-warp counters of every local expert in shared memory.
+        self._shared = (_DISPATCH_THREADS // 32 + 3) * num_local_experts * 4
+        if self._shared > _LAYOUT_SHARED_LIMIT:
             raise BackendError(
-                f"num_local_experts={num_local_experts} is too many for the layout kernel's shared memory; "
-                f"use more ranks or fewer experts"
+                f"num_local_experts={num_local_experts} is too many for the dispatch kernel's shared memory "
+                f"({self._shared} B > {_LAYOUT_SHARED_LIMIT} B); use more ranks or fewer experts"
             )
-        self._layout_threads = warps * 32
-        self._layout_shared = (warps + 3) * num_local_experts * 4
-        self._layout_grid = max(1, min(device_sms, _cdiv(args.world_size * args.max_tokens, _LAYOUT_ROWS_PER_BLOCK)))
-        self._layout_block_counts = torch.zeros(
-            (self._layout_grid, num_local_experts), dtype=torch.int32, device=device
-        )
-        self._layout_block_flags = torch.zeros(self._layout_grid, dtype=torch.int64, device=device)
-        capacity = 2**31 - 1 if expert_capacity is None else min(int(expert_capacity), 2**31 - 1)
-        self._layout_const = self._prefix + (
-            (layout.meta_offset, _L),
-            (num_local_experts, _I),
-            (expert_alignment, _I),
-            (capacity, _I),
-        )
-
-        # The expand is local: up to two blocks per SM of the whole device, at least one slab row
-        # per block (the kernel sizes its row batches to the grid) or enough for the padding units.
-        expand_chunks = _chunks_per_row(layout.row_bytes, _EXPAND_VPL)
-        slab_rows = args.world_size * args.max_tokens
-        pad_units = num_local_experts * (expert_alignment - 1) * expand_chunks
-        expand_warps = _EXPAND_THREADS // 32
-        self._expand_grid = max(1, min(2 * device_sms, max(slab_rows, _cdiv(pad_units, expand_warps))))
-        self._redispatch_expand_grid = max(1, min(2 * device_sms, slab_rows))
-        self._expand_const = self._prefix + ((layout.recv_x_offset, _L),)
-        self._expand_tail = ((num_local_experts, _I), (expert_alignment, _I))
+        load = lambda entry: jit.load_function(device, "dispatch", entry, defines, toolchain=toolchain)  # noqa: E731
+        self._dispatch = load("dispatch")
+        self._redispatch = load("redispatch")
+        self._grid = device_sms
+        self._num_sms = min(num_sms, device_sms)
+        self._send_chunks = _chunks_per_row(layout.row_bytes, _SEND_VPL)
         self._capacity_rows = capacity_rows
+        prefix = args.prefix()
 
-    def _sender_grid(self, num_tokens: int) -> int:
-        return max(1, min(self._num_sms, _cdiv(num_tokens * self._send_chunks, self._send_warps)))
+        # About _LAYOUT_ROWS_PER_BLOCK slab rows per layout block; the layout blocks publish their
+        # per-expert counts in local scratch, and blocks stamp barriers in grid_flags [2, grid].
+        self._layout_blocks = max(1, min(self._grid, _cdiv(args.world_size * args.max_tokens, _LAYOUT_ROWS_PER_BLOCK)))
+        self._block_counts = torch.zeros((self._layout_blocks, num_local_experts), dtype=torch.int32, device=device)
+        self._grid_flags = torch.zeros(2 * self._grid, dtype=torch.int64, device=device)
+        capacity = 2**31 - 1 if expert_capacity is None else min(int(expert_capacity), 2**31 - 1)
+        self._dispatch_const = prefix + (
+            (layout.meta_offset, _L), (layout.recv_x_offset, _L), (num_experts, _I),
+        )
+        self._layout_const = ((num_local_experts, _I), (expert_alignment, _I), (capacity, _I))
+        self._scratch = ((self._block_counts.data_ptr(), _P), (self._grid_flags.data_ptr(), _P))
+        self._redispatch_const = prefix + ((layout.recv_x_offset, _L),)
 
-    def dispatch_send(
+    def _senders(self, num_tokens: int) -> int:
+        """Blocks that push rows: at most ``num_sms``, no more than the tokens' units need."""
+        return max(1, min(self._num_sms, _cdiv(num_tokens * self._send_chunks, _DISPATCH_THREADS // 32)))
+
+    def dispatch(
         self,
         x: torch.Tensor,
         topk_idx: torch.Tensor,
         topk_weights: torch.Tensor,
         send_mask: torch.Tensor,
         dest_rank: torch.Tensor,
+        recv_pos: torch.Tensor,
+        recv_weight: torch.Tensor,
+        expert_offsets: torch.Tensor,
+        tokens_per_expert: torch.Tensor,
+        out_x: torch.Tensor,
     ) -> None:
-        """Source side of dispatch: ``x [T, H]``, ``topk_idx [T, K]`` int32/int64, ``topk_weights [T, K]``
-        float32 in; ``send_mask [T, W]`` bool and ``dest_rank [T, K]`` int32 out (filled by the kernel)."""
+        """One dispatch. In: ``x [T, H]``, ``topk_idx [T, K]`` int32/int64, ``topk_weights [T, K]`` float32.
+        Out (filled by the kernel): source side ``send_mask [T, W]`` bool, ``dest_rank [T, K]`` int32;
+        destination side ``recv_pos``/``recv_weight [W, M, K]`` int32/float32, ``expert_offsets``/
+        ``tokens_per_expert [L]`` int32, ``out_x [capacity_rows, H]``."""
         num_tokens = x.shape[0]
-        self._send.launch(
-            self._sender_grid(num_tokens),
-            _SEND_THREADS,
-            self._send_const
+        senders = self._senders(num_tokens)
+        # The layout runs on blocks that do not send when there are any (it then overlaps the sends).
+        idle = self._grid - senders
+        layout_blocks = min(self._layout_blocks, idle) if idle > 0 else self._layout_blocks
+        self._dispatch.launch(
+            self._grid,
+            _DISPATCH_THREADS,
+            self._dispatch_const
             + (
+                (senders, _I),
                 (x.data_ptr(), _P),
                 (topk_idx.data_ptr(), _P),
                 (1 if topk_idx.dtype == torch.int64 else 0, _I),
@@ -282,68 +272,37 @@ class DispatchKernels:
                 (num_tokens, _I),
                 (send_mask.data_ptr(), _P),
                 (dest_rank.data_ptr(), _P),
-            ),
-        )
-
-    def dispatch_layout(
-        self,
-        recv_pos: torch.Tensor,
-        recv_weight: torch.Tensor,
-        expert_offsets: torch.Tensor,
-        tokens_per_expert: torch.Tensor,
-    ) -> None:
-        """Destination side: waits for every source, writes ``recv_pos``/``recv_weight`` ``[W, M, K]`` and
-        ``expert_offsets``/``tokens_per_expert`` ``[L]`` (int32, float32, int32, int32)."""
-        self._layout.launch(
-            self._layout_grid,
-            self._layout_threads,
-            self._layout_const
+            )
+            + self._layout_const
             + (
+                (layout_blocks, _I),
                 (recv_pos.data_ptr(), _P),
                 (recv_weight.data_ptr(), _P),
                 (expert_offsets.data_ptr(), _P),
                 (tokens_per_expert.data_ptr(), _P),
-                (self._layout_block_counts.data_ptr(), _P),
-                (self._layout_block_flags.data_ptr(), _P),
-            ),
-            shared_bytes=self._layout_shared,
-        )
-
-    def dispatch_expand(
-        self,
-        recv_pos: torch.Tensor,
-        expert_offsets: Optional[torch.Tensor],
-        tokens_per_expert: Optional[torch.Tensor],
-        out_x: torch.Tensor,
-        *,
-        wait_arrivals: bool,
-    ) -> None:
-        """Destination side: received rows -> ``out_x [capacity_rows, H]`` along ``recv_pos``; zeroes the
-        segments' padding when ``expert_offsets``/``tokens_per_expert`` are given; acknowledges channel 0.
-        ``wait_arrivals``: wait for the sources first (redispatch; dispatch's layout kernel already did)."""
-        padding = expert_offsets is not None
-        self._expand.launch(
-            self._expand_grid if padding else self._redispatch_expand_grid,
-            _EXPAND_THREADS,
-            self._expand_const
-            + (
-                (1 if wait_arrivals else 0, _I),
-                (recv_pos.data_ptr(), _P),
-                (self._capacity_rows, _I),
-                (expert_offsets.data_ptr() if padding else 0, _P),
-                (tokens_per_expert.data_ptr() if padding else 0, _P),
             )
-            + self._expand_tail
-            + ((out_x.data_ptr(), _P),),
+            + self._scratch
+            + ((self._capacity_rows, _I), (out_x.data_ptr(), _P)),
+            shared_bytes=self._shared,
         )
 
-    def redispatch_send(self, x: torch.Tensor, send_mask: torch.Tensor) -> None:
-        """Source side of redispatch: row ``t`` of ``x [T, H]`` to every rank ``r`` with ``send_mask[t, r]``."""
+    def redispatch(self, x: torch.Tensor, send_mask: torch.Tensor, recv_pos: torch.Tensor, out_x: torch.Tensor) -> None:
+        """Rows only, along an existing routing: row ``t`` of ``x [T, H]`` to every rank ``r`` with
+        ``send_mask[t, r]``, expanded there into ``out_x [capacity_rows, H]`` along ``recv_pos [W, M, K]``."""
         num_tokens = x.shape[0]
         self._redispatch.launch(
-            self._sender_grid(num_tokens),
-            _SEND_THREADS,
-            self._redispatch_const + ((x.data_ptr(), _P), (num_tokens, _I), (send_mask.data_ptr(), _P)),
+            self._grid,
+            _DISPATCH_THREADS,
+            self._redispatch_const
+            + (
+                (self._senders(num_tokens), _I),
+                (x.data_ptr(), _P),
+                (num_tokens, _I),
+                (send_mask.data_ptr(), _P),
+                (recv_pos.data_ptr(), _P),
+                (self._capacity_rows, _I),
+                (out_x.data_ptr(), _P),
+            ),
         )
 
 
@@ -354,9 +313,9 @@ class CombineKernels:
         device, defines, args, layout: as for :class:`DispatchKernels`.
         capacity_rows: rows of ``y`` (``out.x``'s layout). num_sms: blocks of the values kernels.
         toolchain: as for :class:`DispatchKernels`.
-        device_sms: the device's SM count. ``combine_send`` reads K expert rows per partial it
-            sends and ``combine_recv`` only reads local memory: both may use every SM (one block
-            per SM), as the expand does; bounding them to ``num_sms`` made combine read-bound.
+        device_sms: the device's SM count: ``combine`` runs one block per SM (its blocks wait for
+            each other); it reads K expert rows per partial it sends, and bounding it to
+            ``num_sms`` made it read-bound.
     """
 
     def __init__(
@@ -372,43 +331,40 @@ class CombineKernels:
         toolchain: jit.Toolchain = jit.Toolchain(),
     ) -> None:
         load = lambda entry: jit.load_function(device, "combine", entry, defines, toolchain=toolchain)  # noqa: E731
-        self._send = load("combine_send")
-        self._recv = load("combine_recv")
+        self._combine = load("combine")
         self._values_send = load("values_send")
         self._values_recv = load("values_recv")
         self._topk = layout.topk
         self._num_sms = num_sms
-        self._device_sms = device_sms
+        self._grid = device_sms
         prefix = args.prefix()
         rows = args.world_size * args.max_tokens
-        self._send_grid = max(1, min(device_sms, rows))
-        self._recv_chunks = _chunks_per_row(layout.row_bytes, _COMBINE_RECV_VPL)
-        self._send_const = prefix + ((layout.ret_x_offset, _L), (layout.stage_x_offset, _L))
+        self._combine_const = prefix + ((layout.ret_x_offset, _L), (layout.stage_x_offset, _L))
         self._capacity = ((capacity_rows, _I),)
-        self._recv_const = prefix + ((layout.ret_x_offset, _L),)
         self._values_send_grid = max(1, min(num_sms, _cdiv(rows * layout.topk, _VALUES_THREADS)))
         self._values_send_const = prefix + ((layout.ret_vals_offset, _L),)
         self._values_recv_const = prefix + ((layout.ret_vals_offset, _L),)
 
-    def combine_send(self, y: torch.Tensor, recv_pos: torch.Tensor, recv_weight: torch.Tensor, weighted: bool) -> None:
-        """Destination side: one partial row per carried slab row of ``y [capacity_rows, H]``, to its source."""
-        self._send.launch(
-            self._send_grid,
+    def combine(
+        self, y: torch.Tensor, recv_pos: torch.Tensor, recv_weight: torch.Tensor, weighted: bool,
+        send_mask: torch.Tensor, z: torch.Tensor,
+    ) -> None:
+        """One combine: the destination sends one partial row per carried slab row of ``y [capacity_rows, H]``
+        to its source; the source writes ``z [T, H]`` = the sum of its tokens' partial rows in rank order."""
+        self._combine.launch(
+            self._grid,
             _COMBINE_THREADS,
-            self._send_const
+            self._combine_const
             + ((y.data_ptr(), _P),)
             + self._capacity
-            + ((recv_pos.data_ptr(), _P), (recv_weight.data_ptr(), _P), (1 if weighted else 0, _I)),
-        )
-
-    def combine_recv(self, send_mask: torch.Tensor, z: torch.Tensor) -> None:
-        """Source side: ``z [T, H]`` = the sum of the partial rows returned for each token, in rank order."""
-        num_tokens = z.shape[0]
-        grid = max(1, min(self._device_sms, _cdiv(num_tokens * self._recv_chunks, _COMBINE_THREADS // 32)))
-        self._recv.launch(
-            grid,
-            _COMBINE_THREADS,
-            self._recv_const + ((send_mask.data_ptr(), _P), (num_tokens, _I), (z.data_ptr(), _P)),
+            + (
+                (recv_pos.data_ptr(), _P),
+                (recv_weight.data_ptr(), _P),
+                (1 if weighted else 0, _I),
+                (send_mask.data_ptr(), _P),
+                (z.shape[0], _I),
+                (z.data_ptr(), _P),
+            ),
         )
 
     def values_send(self, row_vector: torch.Tensor, recv_pos: torch.Tensor) -> None:

@@ -81,7 +81,7 @@ TIMEOUT_PHASES = {
     2: "dispatch: waiting for a peer's tokens",
     3: "combine: waiting for a peer to free its return slab",
     4: "combine: waiting for a peer's partial sums",
-    5: "dispatch: the layout kernel's blocks waiting for each other (other kernels held the SMs?)",
+    5: "a kernel's blocks waiting for each other (other kernels held the SMs?)",
 }
 
 

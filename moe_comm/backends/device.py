@@ -9,8 +9,8 @@ device-resident epochs, so every per-step call only launches kernels and allocat
 with torch, and a whole step can be captured in a CUDA graph and replayed. The protocol is
 stated at the top of ``csrc/dispatch.cu`` and ``csrc/combine.cu``.
 
-NOTE: one call = these launches on the current stream: dispatch 3 (send, layout, expand),
-combine 2, redispatch 2, return_entry_values 2. Calls of one backend must be ordered on the
+NOTE: one call = these launches on the current stream: dispatch 1, combine 1, redispatch 1,
+return_entry_values 2. Calls of one backend must be ordered on the
 device (one stream, or events between streams): the epochs and done-counters are per backend.
 Every rank must run the same sequence of calls (they are collective), eager or replayed.
 
@@ -195,25 +195,21 @@ class DeviceBackend(Backend):
         expert_offsets = torch.empty(self.num_local_experts, dtype=torch.int32, device=device)
         tokens_per_expert = torch.empty(self.num_local_experts, dtype=torch.int32, device=device)
         out_x = torch.empty((self.capacity_rows, cfg.hidden), dtype=self.dtype, device=device)
-        k = self._dispatch_kernels
-        k.dispatch_send(x, topk_idx, topk_weights, send_mask, dest_rank)
-        k.dispatch_layout(recv_pos, recv_weight, expert_offsets, tokens_per_expert)
-        k.dispatch_expand(recv_pos, expert_offsets, tokens_per_expert, out_x, wait_arrivals=False)
+        self._dispatch_kernels.dispatch(
+            x, topk_idx, topk_weights, send_mask, dest_rank, recv_pos, recv_weight, expert_offsets, tokens_per_expert,
+            out_x,
+        )
         routing = layout.Routing(num_tokens, send_mask, dest_rank, recv_pos, recv_weight)
         return DispatchResult(out_x, expert_offsets, tokens_per_expert, routing)
 
     def redispatch(self, x: torch.Tensor, routing: layout.Routing) -> torch.Tensor:
         out = torch.empty((self.capacity_rows, self.config.hidden), dtype=self.dtype, device=self.device)
-        k = self._dispatch_kernels
-        k.redispatch_send(x, routing.send_mask)
-        k.dispatch_expand(routing.recv_pos, None, None, out, wait_arrivals=True)
+        self._dispatch_kernels.redispatch(x, routing.send_mask, routing.recv_pos, out)
         return out
 
     def combine(self, y: torch.Tensor, routing: layout.Routing, weighted: bool = True) -> torch.Tensor:
         z = torch.empty((routing.num_tokens, self.config.hidden), dtype=self.dtype, device=self.device)
-        k = self._combine_kernels
-        k.combine_send(y, routing.recv_pos, routing.recv_weight, weighted)
-        k.combine_recv(routing.send_mask, z)
+        self._combine_kernels.combine(y, routing.recv_pos, routing.recv_weight, weighted, routing.send_mask, z)
         return z
 
     def return_entry_values(self, row_vector: torch.Tensor, routing: layout.Routing) -> torch.Tensor:

@@ -4,24 +4,26 @@
 // Protocol: channel 1 ("to source"). Each call uses epoch e = state.epoch[1] + 1, read from
 // device memory by every kernel, so graph replays and eager calls always run at the next epoch.
 //
-//   combine_send (on the destination R, grid of up to num_sms blocks): every block first waits
-//     until ack[1][s] >= e - 1 in R's own flags for every rank s (s has finished reading what R
-//     returned to it at the previous epoch). Then for every slab row (s, t) that carries a token
-//     (an entry of recv_pos[s, t, :] is not -1) it computes
+// One kernel per call, `combine`, on one block per SM (its blocks wait for each other, so all of
+// them must be resident at once). Its phases, on rank R:
+//   send (as a destination): every block first waits until ack[1][s] >= e - 1 in R's own flags
+//     for every rank s (s has finished reading what R returned to it at the previous epoch).
+//     Then for every slab row (s, t) that carries a token (an entry of recv_pos[s, t, :] is not
+//     -1) it computes
 //         partial = dtype(sum over kept k (pos >= 0), k increasing, of w_k * float(y[pos_k]))
 //     (w_k = 1 unweighted) in float32 from 0.0f with separate __fmul_rn / __fadd_rn (no fused
 //     multiply-add: the reference rounds the product), rounded to nearest even, and stores it into
 //     ret_x[R][t] of rank s (16-byte stores); a row whose entries were all dropped sends zeros.
-//     The last block release-stores arrival[1][R] = e into every rank's flags.
-//   combine_recv (on the source R, grid of up to num_sms blocks): every block waits until
-//     arrival[1][r] >= e for every r (acquire), then
+//     Every block counts itself done; the last one release-stores arrival[1][R] = e into every
+//     rank's flags.
+//   sum (as a source): every block waits until arrival[1][r] >= e for every r (acquire), then
 //         z[t] = dtype(sum over r increasing with send_mask[t, r] of float(ret_x[r][t]))
 //     from 0.0f with __fadd_rn; a token sent nowhere gets zeros. The last block release-stores
 //     ack[1][R] = e into every rank's flags and sets state.epoch[1] = e.
-//   values_send / values_recv: the same channel for one float per entry. The destination writes
-//     row_vector[pos] (0 where pos < 0) for every entry (s, t, k) with pos != -1 into
-//     ret_vals[R][t][k] of rank s; the source gathers out[t, k] = ret_vals[dest_rank[t, k]][t][k]
-//     (0 where dest_rank < 0). Waits, signals and acks as above.
+//   values_send / values_recv (two kernels, for return_entry_values): the same channel for one
+//     float per entry. The destination writes row_vector[pos] (0 where pos < 0) for every entry
+//     (s, t, k) with pos != -1 into ret_vals[R][t][k] of rank s; the source gathers out[t, k] =
+//     ret_vals[dest_rank[t, k]][t][k] (0 where dest_rank < 0). Waits, signals and acks as above.
 //
 // A wait that runs past timeout_ns records (phase, peer) into the status word and gives up, so
 // every kernel terminates; the results of that call are then invalid (Dispatcher.check() says so).
@@ -32,7 +34,8 @@
 #include "common.cuh"
 
 #define COMBINE_THREADS 512
-#define COMBINE_SEND_VPL 2   // vectors per lane per unit: up to 4 entries' vectors are in flight at once
+#define COMBINE_SEND_VPL 1   // vectors per lane per unit
+#define COMBINE_GROUP 8      // entries whose vectors are loaded at once (one round trip for top-8)
 #define COMBINE_RECV_VPL 4
 #define VALUES_THREADS 512
 
@@ -60,26 +63,19 @@ __device__ __forceinline__ void accumulate(float (&acc)[VPL][ELEMS_PER_VEC], con
     }
 }
 
-// --------------------------------------------------------------------------- combine_send
+// ------------------------------------------------------------------------------ send phase
 
-extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) combine_send(
-    const i64* __restrict__ peers, int rank, int world, int max_tokens, u64* state, i64* status, i64 timeout_ns,
-    i64 off_ret_x, i64 off_stage_x, const void* __restrict__ y, int capacity_rows,
-    const i32* __restrict__ recv_pos, const float* __restrict__ recv_weight, int weighted) {
+// Block-wide: one partial row per carried slab row of recv_pos [W * M, K], from the rows of
+// y [capacity_rows, H], into ret_x[R][t] of its source s (see the top of this file).
+__device__ __forceinline__ void send_partials(RowBatch& batch, const i64* s_peer, int rank, int world, int max_tokens,
+                                              i64 off_ret_x, i64 off_stage_x, const void* y, int capacity_rows,
+                                              const i32* recv_pos, const float* recv_weight, int weighted) {
     typedef RowChunks<COMBINE_SEND_VPL> Chunks;
-    __shared__ i64 s_peer[MAX_WORLD];
-    __shared__ RowBatch batch;
-    load_peers(s_peer, peers, world);
-    const u64 epoch = state[STATE_EPOCH + CH_TO_SOURCE] + 1;
-    __syncthreads();
-    block_wait_flags(s_peer[rank], world, CH_TO_SOURCE, FLAG_ACK, epoch - 1, status, TIMEOUT_TO_SOURCE_ACK,
-                     timeout_ns);
-
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int warps = blockDim.x >> 5;
     const u8* rows = static_cast<const u8*>(y);
-    const BatchShape shape = batch_shape(static_cast<i64>(world) * max_tokens);
+    const BatchShape shape = batch_shape(static_cast<i64>(world) * max_tokens, gridDim.x);
     for (i64 q = blockIdx.x; q < shape.count; q += gridDim.x) {
         const int listed = block_load_rows(batch, recv_pos, weighted ? recv_weight : nullptr, shape, q, -2);
         for (int unit = warp; unit < listed * Chunks::kPerRow; unit += warps) {
@@ -90,12 +86,12 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) combine_send(
             const int v0 = chunk * Chunks::kVecs + lane;
             float acc[COMBINE_SEND_VPL][ELEMS_PER_VEC];
             zero_acc<COMBINE_SEND_VPL>(acc);
-            // Entries in increasing k, four at a time: loads first, then the ordered sums.
+            // Entries in increasing k, COMBINE_GROUP at a time: loads first, then the ordered sums.
 #pragma unroll
-            for (int k0 = 0; k0 < TOPK; k0 += 4) {
-                Vec16 vals[4][COMBINE_SEND_VPL];
+            for (int k0 = 0; k0 < TOPK; k0 += COMBINE_GROUP) {
+                Vec16 vals[COMBINE_GROUP][COMBINE_SEND_VPL];
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
+                for (int i = 0; i < COMBINE_GROUP; ++i) {
                     const int k = k0 + i;
                     if (k < TOPK && ((kept >> k) & 1u)) {
                         load_unit_nc<COMBINE_SEND_VPL>(rows + static_cast<i64>(batch.pos[r * TOPK + k]) * ROW_BYTES,
@@ -103,7 +99,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) combine_send(
                     }
                 }
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
+                for (int i = 0; i < COMBINE_GROUP; ++i) {
                     const int k = k0 + i;
                     if (k < TOPK && ((kept >> k) & 1u)) {
                         const float w = weighted ? batch.weight[r * TOPK + k] : 1.0f;
@@ -130,25 +126,15 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) combine_send(
         }
         __syncthreads();  // the batch is overwritten next
     }
-
-    if (last_block_done(state + STATE_DONE + SLOT_COMBINE_SEND)) {
-        signal_every_rank(s_peer, rank, world, CH_TO_SOURCE, FLAG_ARRIVAL, epoch, false, 0);
-    }
 }
 
-// --------------------------------------------------------------------------- combine_recv
+// ------------------------------------------------------------------------------- sum phase
 
-extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) combine_recv(
-    const i64* __restrict__ peers, int rank, int world, int max_tokens, u64* state, i64* status, i64 timeout_ns,
-    i64 off_ret_x, const u8* __restrict__ send_mask, int num_tokens, void* __restrict__ z) {
+// Block-wide: z [T, H] row t = the sum of the partial rows ret_x[r][t] of the ranks r of
+// send_mask [T, W] row t, in increasing r (zeros for a token sent nowhere).
+__device__ __forceinline__ void sum_partials(const i64* s_peer, int rank, int world, int max_tokens, i64 off_ret_x,
+                                             const u8* send_mask, int num_tokens, void* z) {
     typedef RowChunks<COMBINE_RECV_VPL> Chunks;
-    __shared__ i64 s_peer[MAX_WORLD];
-    load_peers(s_peer, peers, world);
-    const u64 epoch = state[STATE_EPOCH + CH_TO_SOURCE] + 1;
-    __syncthreads();
-    block_wait_flags(s_peer[rank], world, CH_TO_SOURCE, FLAG_ARRIVAL, epoch, status, TIMEOUT_TO_SOURCE_ARRIVAL,
-                     timeout_ns);
-
     const int lane = threadIdx.x & 31;
     const int warps = blockDim.x >> 5;
     const u8* returned = reinterpret_cast<const u8*>(s_peer[rank] + off_ret_x);
@@ -192,8 +178,39 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) combine_recv(
             if (v < ROW_VECS) st16(dst + static_cast<i64>(v) * 16, pack16(acc[u]));
         }
     }
+}
 
+// --------------------------------------------------------------------------------- combine
+
+// One block per SM (gridDim.x <= SMs: blocks wait for the arrival the last of them signals).
+extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) combine(
+    const i64* __restrict__ peers, int rank, int world, int max_tokens, u64* state, i64* status, i64 timeout_ns,
+    i64 off_ret_x, i64 off_stage_x, const void* __restrict__ y, int capacity_rows,
+    const i32* __restrict__ recv_pos, const float* __restrict__ recv_weight, int weighted,
+    const u8* __restrict__ send_mask, int num_tokens, void* __restrict__ z) {
+    __shared__ i64 s_peer[MAX_WORLD];
+    __shared__ RowBatch batch;
+    load_peers(s_peer, peers, world);
+    const u64 epoch = state[STATE_EPOCH + CH_TO_SOURCE] + 1;
+    PROBE(1, 0);
+    __syncthreads();
+    block_wait_flags(s_peer[rank], world, CH_TO_SOURCE, FLAG_ACK, epoch - 1, status, TIMEOUT_TO_SOURCE_ACK,
+                     timeout_ns);
+    PROBE(1, 1);
+    send_partials(batch, s_peer, rank, world, max_tokens, off_ret_x, off_stage_x, y, capacity_rows, recv_pos,
+                  recv_weight, weighted);
+    PROBE(1, 2);
+    if (last_block_done(state + STATE_DONE + SLOT_COMBINE_SEND, gridDim.x)) {
+        signal_every_rank(s_peer, rank, world, CH_TO_SOURCE, FLAG_ARRIVAL, epoch, false, 0);
+    }
+    PROBE(1, 3);
+    block_wait_flags(s_peer[rank], world, CH_TO_SOURCE, FLAG_ARRIVAL, epoch, status, TIMEOUT_TO_SOURCE_ARRIVAL,
+                     timeout_ns);
+    PROBE(1, 4);
+    sum_partials(s_peer, rank, world, max_tokens, off_ret_x, send_mask, num_tokens, z);
+    PROBE(1, 5);
     acknowledge_and_advance(state, SLOT_COMBINE_RECV, s_peer, rank, world, CH_TO_SOURCE, epoch);
+    PROBE(1, 6);
 }
 
 // ---------------------------------------------------------------------------- values_send
@@ -220,7 +237,7 @@ extern "C" __global__ void __launch_bounds__(VALUES_THREADS) values_send(
         remote_stf32(dst, pos >= 0 && pos < capacity_rows ? row_vector[pos] : 0.0f, static_cast<int>(s));
     }
 
-    if (last_block_done(state + STATE_DONE + SLOT_VALUES_SEND)) {
+    if (last_block_done(state + STATE_DONE + SLOT_VALUES_SEND, gridDim.x)) {
         signal_every_rank(s_peer, rank, world, CH_TO_SOURCE, FLAG_ARRIVAL, epoch, false, 0);
     }
 }

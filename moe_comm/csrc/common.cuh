@@ -18,7 +18,8 @@
 //                  flags[channel][kind][peer], channel 0 = "to destination" (dispatch, redispatch),
 //                  channel 1 = "to source" (combine, return_entry_values); kind 0 = arrival
 //                  (written by sender `peer`), 1 = count (T of sender `peer`), 2 = ack (written by
-//                  receiver `peer` once it finished reading what this rank sent it).
+//                  receiver `peer` once it finished reading what this rank sent it), 3 = metadata
+//                  (dispatch: sender `peer`'s metadata rows and count have landed).
 //   * state        u64 [16], local (not symmetric): [0 + channel] epoch of the last completed
 //                  operation on that channel; [2 + slot] done-counters of the last-block pattern.
 //   * timeout phases: TIMEOUT_* below (layout.TIMEOUT_PHASES).
@@ -85,6 +86,8 @@ static_assert(TOPK >= 1 && TOPK <= 32, "TOPK must be in [1, 32] (one lane per co
 #define FLAG_ARRIVAL 0
 #define FLAG_COUNT 1
 #define FLAG_ACK 2
+#define FLAG_META 3
+#define FLAG_KINDS 4
 
 // Timeout phases: 1 + 2 * channel for "waiting for the peer's ack" (its slab is still being read),
 // 2 + 2 * channel for "waiting for the peer's arrival" (its data has not landed).
@@ -92,20 +95,21 @@ static_assert(TOPK >= 1 && TOPK <= 32, "TOPK must be in [1, 32] (one lane per co
 #define TIMEOUT_TO_DEST_ARRIVAL 2
 #define TIMEOUT_TO_SOURCE_ACK 3
 #define TIMEOUT_TO_SOURCE_ARRIVAL 4
-// The layout kernel's blocks wait for each other (peer = this rank): a block never started,
-// e.g. other kernels held the SMs past timeout_ns.
-#define TIMEOUT_LAYOUT_BLOCKS 5
+// A kernel's blocks wait for each other (peer = this rank): a block never started, e.g. other
+// kernels held the SMs past timeout_ns.
+#define TIMEOUT_GRID_BARRIER 5
 
 #define STATE_EPOCH 0
 #define STATE_DONE 2
-// Done-counter slots, one per kernel entry point.
+// Done-counter slots, one per phase that ends in a signal (dispatch and redispatch share theirs:
+// calls of one backend are ordered, and the last block resets the counter).
 #define SLOT_DISPATCH_SEND 0
 #define SLOT_DISPATCH_EXPAND 1
-#define SLOT_REDISPATCH_SEND 2
-#define SLOT_COMBINE_SEND 3
-#define SLOT_COMBINE_RECV 4
-#define SLOT_VALUES_SEND 5
-#define SLOT_VALUES_RECV 6
+#define SLOT_COMBINE_SEND 2
+#define SLOT_COMBINE_RECV 3
+#define SLOT_VALUES_SEND 4
+#define SLOT_VALUES_RECV 5
+#define SLOT_DISPATCH_META 6
 
 // ------------------------------------------------------------------------------ small helpers
 
@@ -251,8 +255,15 @@ __device__ __forceinline__ void st_relaxed_sys(u64* p, u64 v) {
 
 // Address of flags[channel][kind][peer] in the symmetric allocation that starts at `base`.
 __device__ __forceinline__ u64* flag_at(i64 base, int world, int channel, int kind, int peer) {
-    return reinterpret_cast<u64*>(base) + (channel * 3 + kind) * world + peer;
+    return reinterpret_cast<u64*>(base) + (channel * FLAG_KINDS + kind) * world + peer;
 }
+
+#ifdef MOE_PROBE
+__device__ u64 g_probe[2][160][12];
+#define PROBE(kernel, i) do { if (threadIdx.x == 0 && blockIdx.x < 160) g_probe[kernel][blockIdx.x][i] = globaltimer_ns(); } while (0)
+#else
+#define PROBE(kernel, i) do {} while (0)
+#endif
 
 // ------------------------------------------------------------------------------ status word
 
@@ -276,11 +287,13 @@ __device__ __forceinline__ void status_add_offenders(i64* status, int count_fiel
 
 // Spin until *flag >= target (acquire, system scope), at most timeout_ns. On timeout record
 // (phase, peer) in the status word and return false; if a timeout was recorded already (the
-// protocol is broken until Dispatcher.check() clears it) give up at once so every kernel ends.
+// protocol is broken until Dispatcher.check() clears it) give up at once so every kernel ends,
+// unless `patient`: waits for blocks of the same kernel, which always arrive (every wait they make
+// is bounded), keep ordering the kernel's own phases, so a broken call never reads unwritten data.
 __device__ __noinline__ bool wait_flag_geq(const u64* flag, u64 target, i64* status, int phase, int peer,
-                                           i64 timeout_ns) {
+                                           i64 timeout_ns, bool patient = false) {
     if (ld_acquire_sys(flag) >= target) return true;
-    if (status_timed_out(status)) return false;
+    if (!patient && status_timed_out(status)) return false;
     const u64 start = globaltimer_ns();
     for (;;) {
         sleep_ns(32);
@@ -305,14 +318,14 @@ __device__ __forceinline__ void block_wait_flags(i64 base, int world, int channe
 
 // ------------------------------------------------------------------------ last block done
 
-// Every block calls this once at its end. The block's earlier stores (also to peers) are made
-// visible system-wide, the block counts itself in `*counter`, and the block that counts last
-// gets true (and resets the counter for the next launch or graph replay). What the last block
+// Every one of `blocks` blocks calls this once at the end of a phase. The block's earlier stores
+// (also to peers) are made visible system-wide, the block counts itself in `*counter`, and the
+// block that counts last gets true (and resets the counter for the next launch or graph replay). What the last block
 // does afterwards (release-store a flag) is ordered after every block's stores and loads.
 // One system fence per block suffices: fences are cumulative over the writes the barrier ordered
 // before it (the pattern of cooperative groups' grid sync); a fence in every thread cost several
 // microseconds per kernel.
-__device__ __forceinline__ bool last_block_done(u64* counter) {
+__device__ __forceinline__ bool last_block_done(u64* counter, int blocks) {
     __shared__ int is_last;
 #if TRANSPORT_PUT
     nvshmem_quiet();  // this thread's puts have landed at their PEs
@@ -321,7 +334,7 @@ __device__ __forceinline__ bool last_block_done(u64* counter) {
     if (threadIdx.x == 0) {
         __threadfence_system();
         const u64 prev = atomicAdd(counter, 1ull);
-        is_last = prev == static_cast<u64>(gridDim.x) - 1;
+        is_last = prev == static_cast<u64>(blocks) - 1;
         if (is_last) {
             atomicExch(counter, 0ull);
             __threadfence_system();
@@ -329,6 +342,31 @@ __device__ __forceinline__ bool last_block_done(u64* counter) {
     }
     __syncthreads();
     return is_last != 0;
+}
+
+// Block-wide: wait until flags[b] >= stamp for every b in [first, last) (blocks of the same
+// kernel, which all run at once: grids of at most one block per SM), so what those blocks stored
+// before stamping is visible to this block's later loads.
+__device__ __forceinline__ void wait_blocks(const u64* flags, int first, int last, u64 stamp, i64* status, int rank,
+                                            i64 timeout_ns) {
+    for (int b = first + threadIdx.x; b < last; b += blockDim.x) {
+        wait_flag_geq(flags + b, stamp, status, TIMEOUT_GRID_BARRIER, rank, timeout_ns, true);
+    }
+    __syncthreads();
+}
+
+// Block-wide: a barrier of the blocks whose slots are [first, last); every one of them calls it
+// with its own slot `me`. Each stamps flags[me] = stamp (a GPU-scope release after a barrier of
+// its threads), then waits for all (wait_blocks). Stamps grow from call to call (epochs), so the
+// flags never need resetting.
+__device__ __forceinline__ void blocks_barrier(u64* flags, int me, int first, int last, u64 stamp, i64* status,
+                                               int rank, i64 timeout_ns) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        st_release_gpu(flags + me, stamp);
+    }
+    wait_blocks(flags, first, last, stamp, status, rank, timeout_ns);
 }
 
 // ------------------------------------------------------------------------- remote writes
@@ -413,7 +451,7 @@ __device__ __forceinline__ void signal_every_rank(const i64* s_peer, int rank, i
 // to every rank (their slabs here may be overwritten) and records `epoch` as completed.
 __device__ __forceinline__ void acknowledge_and_advance(u64* state, int slot, const i64* s_peer, int rank,
                                                         int world, int channel, u64 epoch) {
-    if (last_block_done(state + STATE_DONE + slot)) {
+    if (last_block_done(state + STATE_DONE + slot, gridDim.x)) {
         signal_every_rank(s_peer, rank, world, channel, FLAG_ACK, epoch, false, 0);
         if (threadIdx.x == 0) state[STATE_EPOCH + channel] = epoch;
     }
@@ -435,13 +473,15 @@ struct RowChunks {
 
 // ---------------------------------------------------------------- batches of slab rows
 
-// Slab rows ([W * M] of them, K entries each) are scanned by blocks in batches: the block loads a
-// batch's recv_pos (and optionally recv_weight) into shared memory in one pass and lists the rows
-// that carry work, so warps then only touch those rows. A batch holds R = min(BATCH_ROWS,
-// ceil(rows / gridDim.x)) rows, so every block gets a batch even when there are few rows (decode
-// sizes), and batch q of Q = ceil(rows / R) holds the rows q, q + Q, q + 2Q, ...: interleaved, so
-// the rows that carry tokens (the first T_s of each slab) spread evenly over all batches and
-// blocks even when T is much smaller than M.
+// Slab rows ([W * M] of them, K entries each) are scanned by a group of blocks in batches: the
+// block loads a batch's recv_pos (and optionally recv_weight) into shared memory in one pass and
+// lists the rows that carry work, so warps then only touch those rows. A scan covers a set of
+// rows: all of them, one rank's slab (M rows from `offset`), or every slab but one (`skip_len` rows
+// skipped at `skip_begin`), numbered v = 0 .. total_rows - 1. A batch holds R = min(BATCH_ROWS,
+// ceil(total_rows / blocks)) rows, so every block gets a batch even when there are few rows
+// (decode sizes), and batch q of Q = ceil(total_rows / R) holds the rows v = q, q + Q, q + 2Q,
+// ...: interleaved, so the rows that carry tokens (the first T_s of each slab) spread evenly over
+// all batches and blocks even when T is much smaller than M.
 #define BATCH_ROWS 32
 
 struct RowBatch {
@@ -451,37 +491,53 @@ struct RowBatch {
     u32 mask;
 };
 
-// How this grid splits `total_rows` slab rows into batches.
+// How `blocks` blocks split a set of slab rows into batches.
 struct BatchShape {
     int rows;         // rows per batch (1..BATCH_ROWS)
     i64 count;        // number of batches
-    i64 total_rows;
+    i64 total_rows;   // rows of the set
+    i64 offset;       // slab row of v = 0
+    i64 skip_begin;   // rows v >= skip_begin are slab rows offset + v + skip_len
+    i64 skip_len;
 };
 
-__device__ __forceinline__ BatchShape batch_shape(i64 total_rows) {
+__device__ __forceinline__ BatchShape batch_shape(i64 total_rows, int blocks, i64 offset = 0, i64 skip_begin = 0,
+                                                  i64 skip_len = 0) {
     BatchShape shape;
-    const i64 per_block = (total_rows + gridDim.x - 1) / gridDim.x;
+    const i64 per_block = (total_rows + blocks - 1) / blocks;
     shape.rows = static_cast<int>(per_block < 1 ? 1 : (per_block > BATCH_ROWS ? BATCH_ROWS : per_block));
     shape.count = (total_rows + shape.rows - 1) / shape.rows;
     shape.total_rows = total_rows;
+    shape.offset = offset;
+    shape.skip_begin = skip_begin;
+    shape.skip_len = skip_len;
     return shape;
 }
 
-__device__ __forceinline__ i64 batch_row(const BatchShape& shape, i64 batch, int j) { return batch + j * shape.count; }
+// The slab row of row j of batch `batch` (or one past the set's rows when j runs past them).
+__device__ __forceinline__ i64 batch_row(const BatchShape& shape, i64 batch, int j) {
+    const i64 v = batch + j * shape.count;
+    return shape.offset + v + (v >= shape.skip_begin ? shape.skip_len : 0);
+}
+
+__device__ __forceinline__ bool batch_row_inside(const BatchShape& shape, i64 batch, int j) {
+    return batch + j * shape.count < shape.total_rows;
+}
 
 // Block-wide (every thread calls it; blockDim.x >= 32). Loads the rows of batch `batch` of
-// recv_pos [total_rows, TOPK] (and of recv_weight unless it is null) into `b`, and lists in
-// b.list the indices j (row batch_row(shape, batch, j)) of the rows with an entry >= min_pos
+// recv_pos [W * M, TOPK] (and of recv_weight unless it is null) into `b` (plain loads: recv_pos
+// may come from other blocks of the same kernel), and lists in b.list the indices j (slab row
+// batch_row(shape, batch, j)) of the rows with an entry >= min_pos
 // (min_pos 0: a kept entry; -2: any entry that is not empty). Returns how many were listed.
 // Ends with __syncthreads(); the caller must __syncthreads() before the next call overwrites `b`.
-__device__ __forceinline__ int block_load_rows(RowBatch& b, const i32* __restrict__ recv_pos,
+__device__ __forceinline__ int block_load_rows(RowBatch& b, const i32* recv_pos,
                                                const float* __restrict__ recv_weight, const BatchShape& shape,
                                                i64 batch, int min_pos) {
     for (int i = threadIdx.x; i < shape.rows * TOPK; i += blockDim.x) {
         const int j = i / TOPK;
         const i64 g = batch_row(shape, batch, j);
         const i64 entry = g * TOPK + (i - j * TOPK);
-        const bool inside = g < shape.total_rows;
+        const bool inside = batch_row_inside(shape, batch, j);
         b.pos[i] = inside ? recv_pos[entry] : -1;
         if (recv_weight != nullptr) b.weight[i] = inside ? recv_weight[entry] : 0.0f;
     }

@@ -4,34 +4,39 @@
 // device memory by every kernel (never baked into a graph), so a graph replay or an eager call
 // always runs at the next epoch. Every rank runs the same sequence of operations, so epochs agree.
 //
-//   dispatch_send (on the source R, grid of up to num_sms blocks, one warp per (token, row chunk)):
-//     every block first waits until ack[0][r] >= e - 1 in R's own flags for every rank r (r has
-//     finished reading what R sent it at the previous epoch: a rank that runs ahead never
-//     overwrites a slab that is still being read). Then, for each token t < T:
-//       * recv_meta[R][t] of EVERY rank r gets t's metadata row: the local expert ids of the
-//         assignments living on r (-1 elsewhere) and the K router weights. Every rank gets the
-//         row, so a stale row of an earlier call is never read as live;
-//       * recv_x[R][t] of every rank t is sent to gets the x row, once per rank (16-byte stores);
-//       * send_mask [T, W] and dest_rank [T, K] (local outputs) are written and invalid expert
-//         ids are counted into the status word (count + smallest (R << 32 | t)).
-//     The last block to finish writes count[0][R] = T and then release-stores arrival[0][R] = e
-//     into every rank's flags (after a system-scope fence of every block).
-//   dispatch_layout (on the destination, up to one block per SM): waits until arrival[0][s] >= e
-//     for every s (acquire), reads T_s = count[0][s]; slab rows t >= T_s are empty. Ranks the
-//     entries (s, t, k) of each local expert in lexicographic order (block b takes the b-th range
-//     of rows, counts its entries per expert, publishes the counts with a local flag stamped e,
-//     and offsets its ranks by the counts of the blocks before it: every block of the grid must be
-//     resident at once, so the grid is at most one block per SM), applies the capacity (rank >= C:
-//     dropped, pos -2, counted with the smallest (s << 32 | t)), aligns the segments, and writes
-//     recv_pos [W, M, K], recv_weight [W, M, K], expert_offsets [L], tokens_per_expert [L]:
-//     exactly moe_comm.layout.plan_destination.
-//   dispatch_expand (on the destination, many blocks): copies each received row once from
-//     recv_x to the out_x row of each of its kept entries and zeroes every segment's padding rows
-//     [start_j + n_j, end_j) (rows at or past expert_offsets[-1] are not touched). Its last block
+// One kernel per call, `dispatch`, on one block per SM (its blocks wait for each other, so all of
+// them must be resident at once). Blocks [0, num_senders) send (num_senders: the SM budget of
+// pushing rows); the blocks after them, when there are any, form the "early group", which lays out
+// and expands what it can while the rows are still in flight. Phases, on rank R:
+//   send metadata (senders, one warp per token): every sender block first waits until
+//     ack[0][r] >= e - 1 in R's own flags for every rank r (r has finished reading what R sent it
+//     at the previous epoch: a rank that runs ahead never overwrites a slab still being read).
+//     Then for each token t < T, recv_meta[R][t] of EVERY rank r gets t's metadata row: the local
+//     expert ids of the assignments living on r (-1 elsewhere) and the K router weights (every
+//     rank gets the row, so a stale row of an earlier call is never read as live); send_mask
+//     [T, W] and dest_rank [T, K] (local outputs) are written and invalid expert ids are counted
+//     into the status word (count + smallest (R << 32 | t)). The last sender block done writes
+//     count[0][R] = T and release-stores meta[0][R] = e into every rank's flags.
+//   send rows (senders, one warp per (token, row chunk)): recv_x[R][t] of every OTHER rank t is
+//     sent to gets the x row, once per rank (16-byte stores); R's own rows are never copied, the
+//     expansion reads them from x. The last sender block done release-stores arrival[0][R] = e
+//     into every rank's flags.
+//   layout (early group, or every block when all send; it waits until meta[0][s] >= e for every s
+//     (acquire), then its last layout_blocks blocks rank): T_s = count[0][s]; slab rows t >= T_s
+//     are empty. Ranks the entries (s, t, k) of each local expert in lexicographic order (layout
+//     block b takes the b-th range of rows, counts its entries per expert, publishes the counts in
+//     local scratch behind a barrier of the layout blocks, and offsets its ranks by the counts of
+//     the blocks before it), applies the capacity (rank >= C: dropped, pos -2, counted with the
+//     smallest (s << 32 | t)), aligns the segments, and writes recv_pos [W, M, K], recv_weight
+//     [W, M, K], expert_offsets [L], tokens_per_expert [L]: exactly moe_comm.layout.plan_destination.
+//   own expansion (the same group, after a barrier of it): copies each of R's own rows (from x)
+//     to the out_x row of each of its kept entries and zeroes every segment's padding rows
+//     [start_j + n_j, end_j) (rows at or past expert_offsets[-1] are not touched).
+//   other expansion (every block, after arrival[0][s] >= e for every s, and for senders after the
+//     group's barrier flags): the same copy for the rows the other ranks sent. The last block
 //     release-stores ack[0][R] = e into every source's flags, then sets state.epoch[0] = e.
-//   redispatch_send + dispatch_expand(wait_arrivals = 1): the same channel with rows only (no
-//     metadata) along an existing routing's send_mask, expanded with its recv_pos; the expand
-//     waits for the arrivals itself and, without expert_offsets, zeroes no padding.
+// `redispatch` runs the same channel with rows only (no metadata) along an existing routing's
+// send_mask, and expands every slab with its recv_pos after the arrivals (no layout, no padding).
 //
 // A wait that runs past timeout_ns records (phase, peer) into the status word and gives up, so
 // every kernel terminates; the results of that call are then invalid (Dispatcher.check() says so).
@@ -41,14 +46,12 @@
 
 #include "common.cuh"
 
-#define SEND_THREADS 512
-#define SEND_VPL 8          // 16-byte vectors per lane per unit in the senders
-#define EXPAND_THREADS 512
-#define EXPAND_VPL 2         // small units: decode sizes have few rows to spread over the SMs
-#define LAYOUT_MAX_THREADS 1024
+#define DISPATCH_THREADS 512
+#define SEND_VPL 8          // 16-byte vectors per lane per unit in the send phase
+#define EXPAND_VPL 4        // small units: decode sizes have few rows to spread over the SMs
 #define LAYOUT_BATCH 8      // tiles whose metadata a warp loads before it ranks them
 
-// --------------------------------------------------------------------------- dispatch_send
+// ------------------------------------------------------------------------------- send phase
 
 // The ranks of a token's leader lanes (one per destination rank), from every lane's `dest`.
 __device__ __forceinline__ u64 leader_dest_set(u32 leaders, int dest) {
@@ -59,13 +62,14 @@ __device__ __forceinline__ u64 leader_dest_set(u32 leaders, int dest) {
     return dest_set;
 }
 
-// Warp-wide: unit `chunk` of token row t of x [T, H] to slab row recv_x[rank][t] of every rank in
-// `dests`. With puts the unit is first stored into this rank's own slab row (the copy NVSHMEM
-// reads; it is also the delivery when this rank is a destination, and is never read as a token
-// otherwise: this rank's metadata row then has no local entry).
+// Warp-wide: unit `chunk` of token row t of x [T, H] to slab row recv_x[rank][t] of every OTHER
+// rank in `dests` (this rank's expand reads its own tokens from x). With puts the unit is first
+// stored into this rank's own slab row, the copy NVSHMEM reads.
 __device__ __forceinline__ void send_token_unit(const i64* s_peer, int rank, int max_tokens, i64 off_recv_x,
                                                 const void* x, int t, int chunk, u64 dests) {
     typedef RowChunks<SEND_VPL> Chunks;
+    const u64 others = dests & ~(1ull << rank);
+    if (others == 0ull) return;
     const i64 row_offset = off_recv_x + (static_cast<i64>(rank) * max_tokens + t) * ROW_BYTES;
     const int v0 = chunk * Chunks::kVecs + (threadIdx.x & 31);
     Vec16 vals[SEND_VPL];
@@ -73,88 +77,118 @@ __device__ __forceinline__ void send_token_unit(const i64* s_peer, int rank, int
 #if TRANSPORT_PUT
     const u8* staged = reinterpret_cast<const u8*>(s_peer[rank] + row_offset);
     store_unit<SEND_VPL>(const_cast<u8*>(staged), vals, v0);
-    for (u64 m = dests & ~(1ull << rank); m != 0ull; m &= m - 1ull) {
+    for (u64 m = others; m != 0ull; m &= m - 1ull) {
         const int r = __ffsll(static_cast<i64>(m)) - 1;
         put_unit<SEND_VPL>(reinterpret_cast<u8*>(s_peer[r] + row_offset), staged, chunk, r);
     }
 #else
-    for (u64 m = dests; m != 0ull; m &= m - 1ull) {
+    for (u64 m = others; m != 0ull; m &= m - 1ull) {
         store_unit<SEND_VPL>(reinterpret_cast<u8*>(s_peer[__ffsll(static_cast<i64>(m)) - 1] + row_offset), vals, v0);
     }
 #endif
 }
 
-extern "C" __global__ void __launch_bounds__(SEND_THREADS) dispatch_send(
-    const i64* __restrict__ peers, int rank, int world, int max_tokens, u64* state, i64* status, i64 timeout_ns,
-    i64 off_meta, i64 off_recv_x, int num_experts,
-    const void* __restrict__ x, const void* __restrict__ topk_idx, int idx_is_64,
-    const float* __restrict__ topk_weights, int num_tokens,
-    u8* __restrict__ send_mask, i32* __restrict__ dest_rank) {
-    typedef RowChunks<SEND_VPL> Chunks;
-    __shared__ i64 s_peer[MAX_WORLD];
-    load_peers(s_peer, peers, world);
-    const u64 epoch = state[STATE_EPOCH + CH_TO_DEST] + 1;
-    __syncthreads();
-    block_wait_flags(s_peer[rank], world, CH_TO_DEST, FLAG_ACK, epoch - 1, status, TIMEOUT_TO_DEST_ACK, timeout_ns);
+// Warp-wide: where token t goes. Lane k < TOPK gets its assignment's expert id (`expert`, as
+// given), destination rank (`dest`, -1 when the id is -1 or invalid) and local expert id
+// (`local`); every lane gets the set of destination ranks.
+struct TokenRoute {
+    i64 expert;
+    int dest;
+    int local;
+    u64 dest_set;
+};
 
+__device__ __forceinline__ TokenRoute route_token(const void* topk_idx, int idx_is_64, int t, int num_experts,
+                                                  int local_experts) {
     const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
+    TokenRoute route;
+    route.expert = -1;
+    if (lane < TOPK) {
+        const i64 i = static_cast<i64>(t) * TOPK + lane;
+        route.expert = idx_is_64 ? static_cast<const i64*>(topk_idx)[i]
+                                 : static_cast<i64>(static_cast<const i32*>(topk_idx)[i]);
+    }
+    const bool valid = lane < TOPK && route.expert >= 0 && route.expert < num_experts;
+    route.dest = valid ? static_cast<int>(route.expert / local_experts) : -1;
+    route.local = valid ? static_cast<int>(route.expert - static_cast<i64>(route.dest) * local_experts) : -1;
+    // One leader lane per destination rank: the token crosses each link once.
+    const u32 same_dest = __match_any_sync(FULL_MASK, route.dest);
+    const bool leader = valid && (same_dest & lanemask_lt()) == 0;
+    route.dest_set = leader_dest_set(__ballot_sync(FULL_MASK, leader), route.dest);
+    return route;
+}
+
+// Block-wide, blocks [0, num_senders), one warp per token: the metadata row of every token t < T
+// into recv_meta[R][t] of every rank, send_mask and dest_rank, and the invalid expert ids.
+__device__ __forceinline__ void send_metadata(const i64* s_peer, int rank, int world, int max_tokens, i64* status,
+                                              i64 off_meta, int num_experts, int num_senders, const void* topk_idx,
+                                              int idx_is_64, const float* topk_weights, int num_tokens,
+                                              u8* send_mask, i32* dest_rank) {
+    const int lane = threadIdx.x & 31;
+    const int warps = blockDim.x >> 5;
+    const int local_experts = num_experts / world;
+    i64 num_invalid = 0;
+    i64 first_invalid = NO_OFFENDER;
+    for (int t = blockIdx.x * warps + (threadIdx.x >> 5); t < num_tokens; t += num_senders * warps) {
+        const TokenRoute route = route_token(topk_idx, idx_is_64, t, num_experts, local_experts);
+        const u32 invalid = __ballot_sync(FULL_MASK, lane < TOPK && route.expert != -1 && route.dest < 0);
+        if (invalid != 0u) {
+            num_invalid += __popc(invalid);
+            first_invalid = imin64(first_invalid, (static_cast<i64>(rank) << 32) | t);
+        }
+        for (int r = lane; r < world; r += 32) {
+            send_mask[static_cast<i64>(t) * world + r] = static_cast<u8>((route.dest_set >> r) & 1ull);
+        }
+        if (lane < TOPK) {
+            const i64 i = static_cast<i64>(t) * TOPK + lane;
+            dest_rank[i] = route.dest;
+            const u32 weight = __float_as_uint(topk_weights[i]);
+            for (int r = 0; r < world; ++r) {
+                u32* row = reinterpret_cast<u32*>(s_peer[r] + off_meta) +
+                           (static_cast<i64>(rank) * max_tokens + t) * META_WORDS;
+                remote_st32(row + lane, static_cast<u32>(route.dest == r ? route.local : -1), r);
+                remote_st32(row + TOPK + lane, weight, r);
+            }
+        }
+    }
+    if (lane == 0 && num_invalid != 0) status_add_offenders(status, STATUS_NUM_INVALID, num_invalid, first_invalid);
+}
+
+// Block-wide, blocks [0, num_senders), one warp per (token, row chunk): token rows of x [T, H] to
+// the ranks of their experts (routed from topk_idx again: cheaper than waiting for send_mask).
+__device__ __forceinline__ void send_token_rows(const i64* s_peer, int rank, int world, int max_tokens,
+                                                i64 off_recv_x, int num_experts, int num_senders, const void* x,
+                                                const void* topk_idx, int idx_is_64, int num_tokens) {
+    typedef RowChunks<SEND_VPL> Chunks;
     const int warps = blockDim.x >> 5;
     const int local_experts = num_experts / world;
     const i64 num_units = static_cast<i64>(num_tokens) * Chunks::kPerRow;
-    i64 num_invalid = 0;
-    i64 first_invalid = NO_OFFENDER;
-
-    for (i64 unit = static_cast<i64>(blockIdx.x) * warps + warp; unit < num_units;
-         unit += static_cast<i64>(gridDim.x) * warps) {
+    for (i64 unit = static_cast<i64>(blockIdx.x) * warps + (threadIdx.x >> 5); unit < num_units;
+         unit += static_cast<i64>(num_senders) * warps) {
         const int t = static_cast<int>(unit / Chunks::kPerRow);
         const int chunk = static_cast<int>(unit - static_cast<i64>(t) * Chunks::kPerRow);
-        i64 expert = -1;
-        float weight = 0.0f;
-        if (lane < TOPK) {
-            const i64 i = static_cast<i64>(t) * TOPK + lane;
-            expert = idx_is_64 ? static_cast<const i64*>(topk_idx)[i] : static_cast<i64>(static_cast<const i32*>(topk_idx)[i]);
-            weight = topk_weights[i];
-        }
-        const bool valid = lane < TOPK && expert >= 0 && expert < num_experts;
-        const int dest = valid ? static_cast<int>(expert / local_experts) : -1;
-        const int local = valid ? static_cast<int>(expert - static_cast<i64>(dest) * local_experts) : -1;
-        // One leader lane per destination rank: the token crosses each link once.
-        const u32 same_dest = __match_any_sync(FULL_MASK, dest);
-        const bool leader = valid && (same_dest & lanemask_lt()) == 0;
-        const u32 leaders = __ballot_sync(FULL_MASK, leader);
-        const u64 dest_set = leader_dest_set(leaders, dest);
-
-        if (chunk == 0) {
-            const u32 invalid = __ballot_sync(FULL_MASK, lane < TOPK && expert != -1 && !valid);
-            if (invalid != 0u) {
-                num_invalid += __popc(invalid);
-                first_invalid = imin64(first_invalid, (static_cast<i64>(rank) << 32) | t);
-            }
-            if (lane < TOPK) dest_rank[static_cast<i64>(t) * TOPK + lane] = dest;
-            for (int r = lane; r < world; r += 32) {
-                send_mask[static_cast<i64>(t) * world + r] = static_cast<u8>((dest_set >> r) & 1ull);
-            }
-            if (lane < TOPK) {
-                for (int r = 0; r < world; ++r) {
-                    u32* row = reinterpret_cast<u32*>(s_peer[r] + off_meta) +
-                               (static_cast<i64>(rank) * max_tokens + t) * META_WORDS;
-                    remote_st32(row + lane, static_cast<u32>(dest == r ? local : -1), r);
-                    remote_st32(row + TOPK + lane, __float_as_uint(weight), r);
-                }
-            }
-        }
-
-        if (dest_set != 0ull) send_token_unit(s_peer, rank, max_tokens, off_recv_x, x, t, chunk, dest_set);
-    }
-    if (lane == 0 && num_invalid != 0) status_add_offenders(status, STATUS_NUM_INVALID, num_invalid, first_invalid);
-
-    if (last_block_done(state + STATE_DONE + SLOT_DISPATCH_SEND)) {
-        signal_every_rank(s_peer, rank, world, CH_TO_DEST, FLAG_ARRIVAL, epoch, true, static_cast<u64>(num_tokens));
+        const TokenRoute route = route_token(topk_idx, idx_is_64, t, num_experts, local_experts);
+        send_token_unit(s_peer, rank, max_tokens, off_recv_x, x, t, chunk, route.dest_set);
     }
 }
 
-// ------------------------------------------------------------------------- dispatch_layout
+// Rows only, along an existing routing: x [T, H] row t goes to recv_x[R][t] of every other rank r
+// with send_mask[t, r] (blocks [0, num_senders)).
+__device__ __forceinline__ void send_rows(const i64* s_peer, int rank, int world, int max_tokens, i64 off_recv_x,
+                                          int num_senders, const void* x, int num_tokens, const u8* send_mask) {
+    typedef RowChunks<SEND_VPL> Chunks;
+    const int warps = blockDim.x >> 5;
+    const i64 num_units = static_cast<i64>(num_tokens) * Chunks::kPerRow;
+    for (i64 unit = static_cast<i64>(blockIdx.x) * warps + (threadIdx.x >> 5); unit < num_units;
+         unit += static_cast<i64>(num_senders) * warps) {
+        const int t = static_cast<int>(unit / Chunks::kPerRow);
+        const int chunk = static_cast<int>(unit - static_cast<i64>(t) * Chunks::kPerRow);
+        const u64 dests = warp_dest_set(send_mask + static_cast<i64>(t) * world, world);
+        send_token_unit(s_peer, rank, max_tokens, off_recv_x, x, t, chunk, dests);
+    }
+}
+
+// ----------------------------------------------------------------------------- layout phase
 
 // The slab row g = s * M + t of virtual row v (rows t < T_s of all sources concatenated): s is
 // the largest source with begin[s] <= v.
@@ -168,15 +202,16 @@ __device__ __forceinline__ i64 slab_row_of(const i64* begin, int world, int max_
     return static_cast<i64>(lo) * max_tokens + (v - begin[lo]);
 }
 
-// Dynamic shared memory: (warps + 3) * num_local int32 (per-warp counts, block totals, earlier
-// blocks' counts, segment starts). block_counts [gridDim.x, num_local] int32 and block_flags
-// [gridDim.x] u64 are local device scratch of this kernel (flags start at 0).
-extern "C" __global__ void __launch_bounds__(LAYOUT_MAX_THREADS) dispatch_layout(
-    const i64* __restrict__ peers, int rank, int world, int max_tokens, u64* state, i64* status, i64 timeout_ns,
-    i64 off_meta, int num_local, int alignment, int capacity,
-    i32* __restrict__ recv_pos, float* __restrict__ recv_weight, i32* __restrict__ expert_offsets,
-    i32* __restrict__ tokens_per_expert, i32* __restrict__ block_counts, u64* __restrict__ block_flags) {
-    extern __shared__ i32 smem[];
+// Block-wide, on `blocks` blocks (this one is number `block` of them), after every source's
+// metadata was acquired: the layout (see the top of this file). smem: (warps + 3) * num_local
+// int32 of dynamic shared memory (per-warp counts, block totals, earlier blocks' counts, segment
+// starts). block_counts [blocks, num_local] int32 and block_flags [blocks] u64 are local scratch
+// (flags start at 0).
+__device__ __forceinline__ void layout_entries(i32* smem, i64 base, int rank, int world, int max_tokens, u64 epoch,
+                                               i64* status, i64 timeout_ns, i64 off_meta, int num_local,
+                                               int alignment, int capacity, int block, int blocks, i32* recv_pos,
+                                               float* recv_weight, i32* expert_offsets, i32* tokens_per_expert,
+                                               i32* block_counts, u64* block_flags) {
     __shared__ i32 s_tokens[MAX_WORLD];
     __shared__ i64 s_begin[MAX_WORLD + 1];
     const int lane = threadIdx.x & 31;
@@ -187,11 +222,7 @@ extern "C" __global__ void __launch_bounds__(LAYOUT_MAX_THREADS) dispatch_layout
     i32* s_before = s_total + num_local;           // [num_local]: entries of the blocks before this one
     i32* s_start = s_before + num_local;           // [num_local]
 
-    const i64 base = peers[rank];
-    const u64 epoch = state[STATE_EPOCH + CH_TO_DEST] + 1;
     for (int p = threadIdx.x; p < world; p += blockDim.x) {
-        wait_flag_geq(flag_at(base, world, CH_TO_DEST, FLAG_ARRIVAL, p), epoch, status, TIMEOUT_TO_DEST_ARRIVAL, p,
-                      timeout_ns);
         const u64 count = ld_relaxed_sys(flag_at(base, world, CH_TO_DEST, FLAG_COUNT, p));
         s_tokens[p] = count > static_cast<u64>(max_tokens) ? max_tokens : static_cast<int>(count);
     }
@@ -216,8 +247,8 @@ extern "C" __global__ void __launch_bounds__(LAYOUT_MAX_THREADS) dispatch_layout
     const bool lane_used = tile_row < rows_per_tile;
     const i64 total_rows = s_begin[world];
     const i64 num_tiles = (total_rows + rows_per_tile - 1) / rows_per_tile;
-    const i64 per_block = (num_tiles + gridDim.x - 1) / gridDim.x;
-    const i64 block_begin = imin64(num_tiles, blockIdx.x * per_block);
+    const i64 per_block = (num_tiles + blocks - 1) / blocks;
+    const i64 block_begin = imin64(num_tiles, block * per_block);
     const i64 block_end = imin64(num_tiles, block_begin + per_block);
     const i64 per_warp = (block_end - block_begin + warps - 1) / warps;
     const i64 tile_begin = imin64(block_end, block_begin + warp * per_warp);
@@ -262,21 +293,17 @@ extern "C" __global__ void __launch_bounds__(LAYOUT_MAX_THREADS) dispatch_layout
 
     // Publish this block's counts, wait for every block's, and take the entries of the blocks
     // before this one (they hold the earlier tiles) and every block's totals.
-    for (int j = threadIdx.x; j < num_local; j += blockDim.x) block_counts[blockIdx.x * num_local + j] = s_total[j];
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        st_release_gpu(block_flags + blockIdx.x, epoch);
+    for (int j = threadIdx.x; j < num_local; j += blockDim.x) block_counts[block * num_local + j] = s_total[j];
+    if (blocks > 1) {
+        blocks_barrier(block_flags, block, 0, blocks, epoch, status, rank, timeout_ns);
+    } else {
+        __syncthreads();
     }
-    for (int b = threadIdx.x; b < gridDim.x; b += blockDim.x) {
-        wait_flag_geq(block_flags + b, epoch, status, TIMEOUT_LAYOUT_BLOCKS, rank, timeout_ns);
-    }
-    __syncthreads();
     for (int j = threadIdx.x; j < num_local; j += blockDim.x) {
         int before = 0, total = 0;
-        for (int b = 0; b < static_cast<int>(gridDim.x); ++b) {
+        for (int b = 0; b < blocks; ++b) {
             const int c = ld_relaxed_gpu_i32(block_counts + b * num_local + j);
-            before += b < static_cast<int>(blockIdx.x) ? c : 0;
+            before += b < block ? c : 0;
             total += c;
         }
         s_before[j] = before;
@@ -303,7 +330,7 @@ extern "C" __global__ void __launch_bounds__(LAYOUT_MAX_THREADS) dispatch_layout
             const int end = carry + inclusive;
             if (j < num_local) {
                 s_start[j] = end - segment;
-                if (blockIdx.x == 0) {
+                if (block == 0) {
                     expert_offsets[j] = end;
                     tokens_per_expert[j] = kept;
                 }
@@ -368,7 +395,8 @@ extern "C" __global__ void __launch_bounds__(LAYOUT_MAX_THREADS) dispatch_layout
     for (int s = 0; s < world; ++s) {
         const i64 begin = (static_cast<i64>(s) * max_tokens + s_tokens[s]) * TOPK;
         const i64 end = static_cast<i64>(s + 1) * max_tokens * TOPK;
-        for (i64 i = begin + blockIdx.x * blockDim.x + threadIdx.x; i < end; i += gridDim.x * blockDim.x) {
+        for (i64 i = begin + static_cast<i64>(block) * blockDim.x + threadIdx.x; i < end;
+             i += static_cast<i64>(blocks) * blockDim.x) {
             recv_pos[i] = -1;
             recv_weight[i] = 0.0f;
         }
@@ -380,109 +408,219 @@ extern "C" __global__ void __launch_bounds__(LAYOUT_MAX_THREADS) dispatch_layout
     if (lane == 0 && num_dropped != 0) status_add_offenders(status, STATUS_NUM_DROPPED, num_dropped, first_dropped);
 }
 
-// ------------------------------------------------------------------------- dispatch_expand
+// ----------------------------------------------------------------------------- expand phase
 
-// Copy rows recv_x -> out_x along recv_pos, zero the segments' padding (when expert_offsets is
-// given), then acknowledge channel 0 to every source and advance the epoch. With wait_arrivals
-// the kernel first waits for every source's arrival itself (redispatch has no layout kernel).
-extern "C" __global__ void __launch_bounds__(EXPAND_THREADS) dispatch_expand(
-    const i64* __restrict__ peers, int rank, int world, int max_tokens, u64* state, i64* status, i64 timeout_ns,
-    i64 off_recv_x, int wait_arrivals,
-    const i32* __restrict__ recv_pos, int capacity_rows,
-    const i32* __restrict__ expert_offsets, const i32* __restrict__ tokens_per_expert, int num_local, int alignment,
-    void* __restrict__ out_x) {
+// The slab rows an expansion covers: every slab (redispatch), this rank's own (its rows are in x
+// before any peer's arrive), or every other rank's.
+enum SlabRows { ALL_SLABS, OWN_SLAB, OTHER_SLABS };
+
+__device__ __forceinline__ BatchShape slab_rows(SlabRows set, int rank, int world, int max_tokens, int blocks) {
+    const i64 m = max_tokens;
+    if (set == OWN_SLAB) return batch_shape(m, blocks, rank * m);
+    if (set == OTHER_SLABS) return batch_shape((world - 1) * m, blocks, 0, rank * m, m);
+    return batch_shape(world * m, blocks);
+}
+
+// Block-wide, blocks [first_block, gridDim.x): copy each carried slab row of `shape`'s set to the
+// out_x rows of its kept entries (recv_pos [W * M, K] in [0, capacity_rows)). Rows of this rank's
+// own slab come from x [num_tokens, H] (they are never sent), the others from recv_x, where their
+// sources wrote them before the arrival this block acquired. recv_pos may have been written by
+// other blocks of this kernel: plain loads. A call whose waits timed out may carry rows past
+// num_tokens: they are skipped.
+__device__ __forceinline__ void expand_rows(RowBatch& batch, const BatchShape& shape, int first_block, const u8* recv,
+                                            const u8* x, int num_tokens, int rank, int max_tokens,
+                                            const i32* recv_pos, int capacity_rows, u8* out) {
     typedef RowChunks<EXPAND_VPL> Chunks;
-    __shared__ i64 s_peer[MAX_WORLD];
-    __shared__ RowBatch batch;
-    load_peers(s_peer, peers, world);
-    const u64 epoch = state[STATE_EPOCH + CH_TO_DEST] + 1;
-    __syncthreads();
-    if (wait_arrivals) {
-        block_wait_flags(s_peer[rank], world, CH_TO_DEST, FLAG_ARRIVAL, epoch, status, TIMEOUT_TO_DEST_ARRIVAL,
-                         timeout_ns);
-    }
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int warps = blockDim.x >> 5;
-    const u8* recv = reinterpret_cast<const u8*>(s_peer[rank] + off_recv_x);
-    u8* out = static_cast<u8*>(out_x);
-
-    const BatchShape shape = batch_shape(static_cast<i64>(world) * max_tokens);
-    for (i64 q = blockIdx.x; q < shape.count; q += gridDim.x) {
+    const i64 own_first = static_cast<i64>(rank) * max_tokens;
+    for (i64 q = blockIdx.x - first_block; q < shape.count; q += gridDim.x - first_block) {
         const int listed = block_load_rows(batch, recv_pos, nullptr, shape, q, 0);
         for (int unit = warp; unit < listed * Chunks::kPerRow; unit += warps) {
             const int r = batch.list[unit / Chunks::kPerRow];
             const int chunk = unit - (unit / Chunks::kPerRow) * Chunks::kPerRow;
             const int pos = lane < TOPK ? batch.pos[r * TOPK + lane] : -1;
             const u32 kept = __ballot_sync(FULL_MASK, lane < TOPK && pos >= 0 && pos < capacity_rows);
-            const u8* src = recv + batch_row(shape, q, r) * ROW_BYTES;
+            const i64 g = batch_row(shape, q, r);
             const int v0 = chunk * Chunks::kVecs + lane;
             Vec16 vals[EXPAND_VPL];
-            load_unit<EXPAND_VPL>(src, vals, v0);
+            if (g >= own_first && g < own_first + max_tokens) {
+                if (g - own_first >= num_tokens) continue;
+                load_unit_nc<EXPAND_VPL>(x + (g - own_first) * ROW_BYTES, vals, v0);
+            } else {
+                load_unit<EXPAND_VPL>(recv + g * ROW_BYTES, vals, v0);
+            }
             for (u32 m = kept; m != 0u; m &= m - 1u) {
                 const int k = __ffs(static_cast<int>(m)) - 1;
-                u8* dst = out + static_cast<i64>(batch.pos[r * TOPK + k]) * ROW_BYTES;
-#pragma unroll
-                for (int u = 0; u < EXPAND_VPL; ++u) {
-                    const int v = v0 + 32 * u;
-                    if (v < ROW_VECS) st16(dst + static_cast<i64>(v) * 16, vals[u]);
-                }
+                store_unit<EXPAND_VPL>(out + static_cast<i64>(batch.pos[r * TOPK + k]) * ROW_BYTES, vals, v0);
             }
         }
         __syncthreads();  // the batch is overwritten next
     }
-
-    // Padding rows [start_j + n_j, end_j) of every segment: at most alignment - 1 per expert.
-    if (expert_offsets != nullptr && alignment > 1) {
-        const i64 pad_units = static_cast<i64>(num_local) * (alignment - 1) * Chunks::kPerRow;
-        const Vec16 zero = zero16();
-        for (i64 unit = static_cast<i64>(blockIdx.x) * warps + warp; unit < pad_units;
-             unit += static_cast<i64>(gridDim.x) * warps) {
-            const i64 q = unit / Chunks::kPerRow;
-            const int chunk = static_cast<int>(unit - q * Chunks::kPerRow);
-            const int j = static_cast<int>(q / (alignment - 1));
-            const int i = static_cast<int>(q - static_cast<i64>(j) * (alignment - 1));
-            const int start = j == 0 ? 0 : expert_offsets[j - 1];
-            const int row = start + tokens_per_expert[j] + i;
-            if (row >= expert_offsets[j] || row >= capacity_rows) continue;
-            u8* dst = out + static_cast<i64>(row) * ROW_BYTES;
-            const int v0 = chunk * Chunks::kVecs + lane;
-#pragma unroll
-            for (int u = 0; u < EXPAND_VPL; ++u) {
-                const int v = v0 + 32 * u;
-                if (v < ROW_VECS) st16(dst + static_cast<i64>(v) * 16, zero);
-            }
-        }
-    }
-
-    acknowledge_and_advance(state, SLOT_DISPATCH_EXPAND, s_peer, rank, world, CH_TO_DEST, epoch);
 }
 
-// ------------------------------------------------------------------------- redispatch_send
+// Block-wide: the segments of the local experts in shared memory [num_local] each: s_end (their
+// ends, expert_offsets), s_kept (rows kept, tokens_per_expert) and s_pad (padding rows of the
+// experts up to and including j, cumulative). expert_offsets and tokens_per_expert were written
+// by the layout's first block before a barrier this block passed: coherent loads.
+__device__ __forceinline__ void load_segments(i32* s_end, i32* s_kept, i32* s_pad, const i32* expert_offsets,
+                                              const i32* tokens_per_expert, int num_local) {
+    for (int j = threadIdx.x; j < num_local; j += blockDim.x) {
+        s_end[j] = ld_relaxed_gpu_i32(expert_offsets + j);
+        s_kept[j] = ld_relaxed_gpu_i32(tokens_per_expert + j);
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        const int lane = threadIdx.x;
+        int carry = 0;
+        for (int j0 = 0; j0 < num_local; j0 += 32) {
+            const int j = j0 + lane;
+            int pad = 0;
+            if (j < num_local) pad = s_end[j] - (j == 0 ? 0 : s_end[j - 1]) - s_kept[j];
+#pragma unroll
+            for (int offset = 1; offset < 32; offset <<= 1) {
+                const int n = __shfl_up_sync(FULL_MASK, pad, offset);
+                if (lane >= offset) pad += n;
+            }
+            if (j < num_local) s_pad[j] = carry + pad;
+            carry += __shfl_sync(FULL_MASK, pad, 31);
+        }
+    }
+    __syncthreads();
+}
 
-// Rows only, along an existing routing: x [T, H] row t goes to recv_x[R][t] of every rank r with
-// send_mask[t, r]. Same waits and signals as dispatch_send (count[0][R] = T, arrival[0][R] = e).
-extern "C" __global__ void __launch_bounds__(SEND_THREADS) redispatch_send(
+// Block-wide, blocks [first_block, gridDim.x): zero the padding rows [start_j + n_j, end_j) of
+// every segment (from load_segments), one warp per (padding row, row chunk).
+__device__ __forceinline__ void zero_padding(const i32* s_end, const i32* s_kept, const i32* s_pad, int num_local,
+                                             int capacity_rows, int first_block, u8* out) {
+    typedef RowChunks<EXPAND_VPL> Chunks;
+    const int lane = threadIdx.x & 31;
+    const int warps = blockDim.x >> 5;
+    const i64 pad_units = static_cast<i64>(s_pad[num_local - 1]) * Chunks::kPerRow;
+    Vec16 zeros[EXPAND_VPL];
+#pragma unroll
+    for (int u = 0; u < EXPAND_VPL; ++u) zeros[u] = zero16();
+    for (i64 unit = static_cast<i64>(blockIdx.x - first_block) * warps + (threadIdx.x >> 5); unit < pad_units;
+         unit += static_cast<i64>(gridDim.x - first_block) * warps) {
+        const int p = static_cast<int>(unit / Chunks::kPerRow);
+        const int chunk = static_cast<int>(unit - static_cast<i64>(p) * Chunks::kPerRow);
+        int lo = 0, hi = num_local - 1;  // the first expert j with s_pad[j] > p
+        while (lo < hi) {
+            const int mid = (lo + hi) >> 1;
+            if (s_pad[mid] > p) hi = mid;
+            else lo = mid + 1;
+        }
+        const int row = s_end[lo] - (s_pad[lo] - p);
+        if (row >= capacity_rows) continue;
+        store_unit<EXPAND_VPL>(out + static_cast<i64>(row) * ROW_BYTES, zeros, chunk * Chunks::kVecs + lane);
+    }
+}
+
+// ---------------------------------------------------------------------------------- kernels
+
+// One block per SM (gridDim.x <= SMs: blocks wait for each other). Blocks [0, num_senders) send;
+// when there are blocks beyond them, those ("the early group", the last layout_blocks of them
+// laying out) lay out, expand this rank's own rows and zero the padding while the senders still
+// send, and only the other ranks' rows are expanded after the arrivals, by every block. Dynamic
+// shared memory: the layout's (blockDim.x / 32 + 3) * num_local int32. block_counts
+// [layout_blocks, num_local] int32 and grid_flags [2, gridDim.x] u64 (zero at first) are this
+// kernel's local scratch.
+extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) dispatch(
     const i64* __restrict__ peers, int rank, int world, int max_tokens, u64* state, i64* status, i64 timeout_ns,
-    i64 off_recv_x, const void* __restrict__ x, int num_tokens, const u8* __restrict__ send_mask) {
-    typedef RowChunks<SEND_VPL> Chunks;
+    i64 off_meta, i64 off_recv_x, int num_experts, int num_senders,
+    const void* __restrict__ x, const void* __restrict__ topk_idx, int idx_is_64,
+    const float* __restrict__ topk_weights, int num_tokens, u8* __restrict__ send_mask, i32* __restrict__ dest_rank,
+    int num_local, int alignment, int capacity, int layout_blocks,
+    i32* recv_pos, float* recv_weight, i32* expert_offsets, i32* tokens_per_expert,
+    i32* block_counts, u64* grid_flags, int capacity_rows, void* __restrict__ out_x) {
+    extern __shared__ i32 smem[];
     __shared__ i64 s_peer[MAX_WORLD];
+    __shared__ RowBatch batch;
+    load_peers(s_peer, peers, world);
+    const u64 epoch = state[STATE_EPOCH + CH_TO_DEST] + 1;
+    const int grid = gridDim.x;
+    const int block = blockIdx.x;
+    const int early = num_senders < grid ? num_senders : 0;  // first block of the early group
+    const int layout_first = grid - layout_blocks;
+    u64* group_flags = grid_flags + grid;
+    const u8* rows = static_cast<const u8*>(x);
+    u8* out = static_cast<u8*>(out_x);
+    PROBE(0, 0);
+    __syncthreads();
+    const u8* recv = reinterpret_cast<const u8*>(s_peer[rank] + off_recv_x);
+
+    if (block < num_senders) {
+        block_wait_flags(s_peer[rank], world, CH_TO_DEST, FLAG_ACK, epoch - 1, status, TIMEOUT_TO_DEST_ACK,
+                         timeout_ns);
+        send_metadata(s_peer, rank, world, max_tokens, status, off_meta, num_experts, num_senders, topk_idx,
+                      idx_is_64, topk_weights, num_tokens, send_mask, dest_rank);
+        if (last_block_done(state + STATE_DONE + SLOT_DISPATCH_META, num_senders)) {
+            signal_every_rank(s_peer, rank, world, CH_TO_DEST, FLAG_META, epoch, true, static_cast<u64>(num_tokens));
+        }
+        PROBE(0, 1);
+        send_token_rows(s_peer, rank, world, max_tokens, off_recv_x, num_experts, num_senders, x, topk_idx,
+                        idx_is_64, num_tokens);
+        if (last_block_done(state + STATE_DONE + SLOT_DISPATCH_SEND, num_senders)) {
+            signal_every_rank(s_peer, rank, world, CH_TO_DEST, FLAG_ARRIVAL, epoch, false, 0);
+        }
+        PROBE(0, 2);
+    }
+
+    if (block >= early) {
+        block_wait_flags(s_peer[rank], world, CH_TO_DEST, FLAG_META, epoch, status, TIMEOUT_TO_DEST_ARRIVAL,
+                         timeout_ns);
+        PROBE(0, 3);
+        if (block >= layout_first) {
+            layout_entries(smem, s_peer[rank], rank, world, max_tokens, epoch, status, timeout_ns, off_meta,
+                           num_local, alignment, capacity, block - layout_first, layout_blocks, recv_pos, recv_weight,
+                           expert_offsets, tokens_per_expert, block_counts, grid_flags);
+        }
+        PROBE(0, 4);
+        blocks_barrier(group_flags, block, early, grid, epoch, status, rank, timeout_ns);
+        load_segments(smem, smem + num_local, smem + 2 * num_local, expert_offsets, tokens_per_expert, num_local);
+        PROBE(0, 5);
+        expand_rows(batch, slab_rows(OWN_SLAB, rank, world, max_tokens, grid - early), early, recv, rows, num_tokens,
+                    rank, max_tokens, recv_pos, capacity_rows, out);
+        zero_padding(smem, smem + num_local, smem + 2 * num_local, num_local, capacity_rows, early, out);
+        PROBE(0, 6);
+    }
+
+    block_wait_flags(s_peer[rank], world, CH_TO_DEST, FLAG_ARRIVAL, epoch, status, TIMEOUT_TO_DEST_ARRIVAL,
+                     timeout_ns);
+    if (block < early) wait_blocks(group_flags, early, grid, epoch, status, rank, timeout_ns);
+    PROBE(0, 7);
+    expand_rows(batch, slab_rows(OTHER_SLABS, rank, world, max_tokens, grid), 0, recv, rows, num_tokens, rank,
+                max_tokens, recv_pos, capacity_rows, out);
+    PROBE(0, 8);
+    acknowledge_and_advance(state, SLOT_DISPATCH_EXPAND, s_peer, rank, world, CH_TO_DEST, epoch);
+    PROBE(0, 9);
+}
+
+// Rows only, along an existing routing (send_mask [T, W], recv_pos [W, M, K]): the same channel,
+// waits and signals as dispatch; rows no kept entry maps to are left as they were.
+extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) redispatch(
+    const i64* __restrict__ peers, int rank, int world, int max_tokens, u64* state, i64* status, i64 timeout_ns,
+    i64 off_recv_x, int num_senders, const void* __restrict__ x, int num_tokens, const u8* __restrict__ send_mask,
+    const i32* __restrict__ recv_pos, int capacity_rows, void* __restrict__ out_x) {
+    __shared__ i64 s_peer[MAX_WORLD];
+    __shared__ RowBatch batch;
     load_peers(s_peer, peers, world);
     const u64 epoch = state[STATE_EPOCH + CH_TO_DEST] + 1;
     __syncthreads();
-    block_wait_flags(s_peer[rank], world, CH_TO_DEST, FLAG_ACK, epoch - 1, status, TIMEOUT_TO_DEST_ACK, timeout_ns);
 
-    const int warps = blockDim.x >> 5;
-    const i64 num_units = static_cast<i64>(num_tokens) * Chunks::kPerRow;
-    for (i64 unit = static_cast<i64>(blockIdx.x) * warps + (threadIdx.x >> 5); unit < num_units;
-         unit += static_cast<i64>(gridDim.x) * warps) {
-        const int t = static_cast<int>(unit / Chunks::kPerRow);
-        const int chunk = static_cast<int>(unit - static_cast<i64>(t) * Chunks::kPerRow);
-        const u64 dests = warp_dest_set(send_mask + static_cast<i64>(t) * world, world);
-        if (dests != 0ull) send_token_unit(s_peer, rank, max_tokens, off_recv_x, x, t, chunk, dests);
+    if (static_cast<int>(blockIdx.x) < num_senders) {
+        block_wait_flags(s_peer[rank], world, CH_TO_DEST, FLAG_ACK, epoch - 1, status, TIMEOUT_TO_DEST_ACK,
+                         timeout_ns);
+        send_rows(s_peer, rank, world, max_tokens, off_recv_x, num_senders, x, num_tokens, send_mask);
+        if (last_block_done(state + STATE_DONE + SLOT_DISPATCH_SEND, num_senders)) {
+            signal_every_rank(s_peer, rank, world, CH_TO_DEST, FLAG_ARRIVAL, epoch, false, 0);
+        }
     }
-
-    if (last_block_done(state + STATE_DONE + SLOT_REDISPATCH_SEND)) {
-        signal_every_rank(s_peer, rank, world, CH_TO_DEST, FLAG_ARRIVAL, epoch, true, static_cast<u64>(num_tokens));
-    }
+    block_wait_flags(s_peer[rank], world, CH_TO_DEST, FLAG_ARRIVAL, epoch, status, TIMEOUT_TO_DEST_ARRIVAL,
+                     timeout_ns);
+    expand_rows(batch, slab_rows(ALL_SLABS, rank, world, max_tokens, gridDim.x), 0,
+                reinterpret_cast<const u8*>(s_peer[rank] + off_recv_x), static_cast<const u8*>(x), num_tokens, rank,
+                max_tokens, recv_pos, capacity_rows, static_cast<u8*>(out_x));
+    acknowledge_and_advance(state, SLOT_DISPATCH_EXPAND, s_peer, rank, world, CH_TO_DEST, epoch);
 }
