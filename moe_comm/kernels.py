@@ -39,11 +39,16 @@ MAX_WORLD_SIZE = 64  # csrc/common.cuh MAX_WORLD: destination sets are 64-bit ma
 MAX_TOPK = 32        # one lane per column of topk_idx
 
 # Local (non-symmetric) state, u64 words (csrc/common.cuh STATE_*): [0 + channel] epoch of the
-# last completed operation on the channel, [2 + slot] done-counters of the last-block pattern.
-STATE_WORDS = 16
+# last completed operation on the channel, [2 + slot] done-counters of the last-block pattern,
+# [16 + c] those of dispatch's row chunks.
+STATE_WORDS = 32
 
 _CHANNELS = 2
-_FLAG_KINDS = 4  # arrival, count, ack, metadata
+# Dispatch's rows land in up to _MAX_CHUNKS chunks (csrc MAX_CHUNKS), each of at least
+# _MIN_CHUNK_TOKENS tokens (every chunk costs each sending block a system fence).
+_MAX_CHUNKS = 4
+_MIN_CHUNK_TOKENS = 256
+_FLAG_KINDS = 4 + _MAX_CHUNKS  # arrival, count, ack, metadata, then one per chunk
 _ALIGN = 256
 
 # Block shapes (csrc: *_THREADS, which must match) and the send phase's vectors per lane per unit
@@ -99,7 +104,8 @@ class SymmetricLayout:
 
     * ``flags``    u64 ``[2 channels][4 kinds][W]`` at offset 0: arrival (written by the sender),
       count (the sender's T), ack (written by the receiver into the sender's memory), metadata
-      (dispatch: the sender's metadata rows and count have landed; its rows may still be in flight).
+      (dispatch: the sender's metadata rows and count have landed; its rows may still be in flight),
+      then one per chunk of dispatch's rows (chunk ``c`` of the sender's rows has landed).
     * ``meta``     u32 ``[W, M, meta_words]``: slab ``s`` written by source ``s`` in dispatch: K local
       expert ids (-1 none), then K float32 weights, padded to a multiple of 4 words.
     * ``ret_vals`` f32 ``[W, M, K]``: slab ``r`` written by destination ``r`` (return_entry_values).
@@ -229,6 +235,7 @@ class DispatchKernels:
         self._dispatch_const = prefix + (
             (layout.meta_offset, _L), (layout.recv_x_offset, _L), (num_experts, _I),
         )
+        self._chunk_tokens = ((max(_MIN_CHUNK_TOKENS, _cdiv(args.max_tokens, _MAX_CHUNKS)), _I),)
         self._layout_const = ((num_local_experts, _I), (expert_alignment, _I), (capacity, _I))
         self._scratch = ((self._block_counts.data_ptr(), _P), (self._grid_flags.data_ptr(), _P))
         self._redispatch_const = prefix + ((layout.recv_x_offset, _L),)
@@ -263,8 +270,9 @@ class DispatchKernels:
             self._grid,
             _DISPATCH_THREADS,
             self._dispatch_const
+            + ((senders, _I),)
+            + self._chunk_tokens
             + (
-                (senders, _I),
                 (x.data_ptr(), _P),
                 (topk_idx.data_ptr(), _P),
                 (1 if topk_idx.dtype == torch.int64 else 0, _I),

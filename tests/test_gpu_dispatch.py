@@ -31,7 +31,7 @@ from multirank import run_ranks
 pytestmark = pytest.mark.gpu
 
 NUM_EXPERTS = 8
-TOPK = 3                 # odd: metadata rows padded, 10 rows per 32-lane tile in the layout kernel
+TOPK = 3                 # odd: metadata rows padded, 10 rows per 32-lane tile in the layout phase
 HIDDEN = 2056            # 257 16-byte vectors (bf16): partial last chunk in every kernel
 MAX_TOKENS = 40
 ALIGN = 4

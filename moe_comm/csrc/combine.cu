@@ -77,7 +77,7 @@ __device__ __forceinline__ void send_partials(RowBatch& batch, const i64* s_peer
     const u8* rows = static_cast<const u8*>(y);
     const BatchShape shape = batch_shape(static_cast<i64>(world) * max_tokens, gridDim.x);
     for (i64 q = blockIdx.x; q < shape.count; q += gridDim.x) {
-        const int listed = block_load_rows(batch, recv_pos, weighted ? recv_weight : nullptr, shape, q, -2);
+        const int listed = block_load_batch(batch, recv_pos, weighted ? recv_weight : nullptr, shape, q, -2);
         for (int unit = warp; unit < listed * Chunks::kPerRow; unit += warps) {
             const int r = batch.list[unit / Chunks::kPerRow];
             const int chunk = unit - (unit / Chunks::kPerRow) * Chunks::kPerRow;
@@ -107,7 +107,7 @@ __device__ __forceinline__ void send_partials(RowBatch& batch, const i64* s_peer
                     }
                 }
             }
-            const i64 g = batch_row(shape, q, r);
+            const i64 g = batch.row[r];
             const int s = static_cast<int>(g / max_tokens);
             const i64 t = g - static_cast<i64>(s) * max_tokens;
             Vec16 partial[COMBINE_SEND_VPL];
@@ -192,25 +192,18 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) combine(
     __shared__ RowBatch batch;
     load_peers(s_peer, peers, world);
     const u64 epoch = state[STATE_EPOCH + CH_TO_SOURCE] + 1;
-    PROBE(1, 0);
     __syncthreads();
     block_wait_flags(s_peer[rank], world, CH_TO_SOURCE, FLAG_ACK, epoch - 1, status, TIMEOUT_TO_SOURCE_ACK,
                      timeout_ns);
-    PROBE(1, 1);
     send_partials(batch, s_peer, rank, world, max_tokens, off_ret_x, off_stage_x, y, capacity_rows, recv_pos,
                   recv_weight, weighted);
-    PROBE(1, 2);
     if (last_block_done(state + STATE_DONE + SLOT_COMBINE_SEND, gridDim.x)) {
         signal_every_rank(s_peer, rank, world, CH_TO_SOURCE, FLAG_ARRIVAL, epoch, false, 0);
     }
-    PROBE(1, 3);
     block_wait_flags(s_peer[rank], world, CH_TO_SOURCE, FLAG_ARRIVAL, epoch, status, TIMEOUT_TO_SOURCE_ARRIVAL,
                      timeout_ns);
-    PROBE(1, 4);
     sum_partials(s_peer, rank, world, max_tokens, off_ret_x, send_mask, num_tokens, z);
-    PROBE(1, 5);
     acknowledge_and_advance(state, SLOT_COMBINE_RECV, s_peer, rank, world, CH_TO_SOURCE, epoch);
-    PROBE(1, 6);
 }
 
 // ---------------------------------------------------------------------------- values_send

@@ -19,9 +19,11 @@
 //                  channel 1 = "to source" (combine, return_entry_values); kind 0 = arrival
 //                  (written by sender `peer`), 1 = count (T of sender `peer`), 2 = ack (written by
 //                  receiver `peer` once it finished reading what this rank sent it), 3 = metadata
-//                  (dispatch: sender `peer`'s metadata rows and count have landed).
-//   * state        u64 [16], local (not symmetric): [0 + channel] epoch of the last completed
-//                  operation on that channel; [2 + slot] done-counters of the last-block pattern.
+//                  (dispatch: sender `peer`'s metadata rows and count have landed), 4 + c = chunk
+//                  c of dispatch's rows (see MAX_CHUNKS).
+//   * state        u64 [32], local (not symmetric): [0 + channel] epoch of the last completed
+//                  operation on that channel; [2 + slot] done-counters of the last-block pattern;
+//                  [STATE_CHUNK_DONE + c] those of dispatch's chunks.
 //   * timeout phases: TIMEOUT_* below (layout.TIMEOUT_PHASES).
 #pragma once
 
@@ -87,7 +89,11 @@ static_assert(TOPK >= 1 && TOPK <= 32, "TOPK must be in [1, 32] (one lane per co
 #define FLAG_COUNT 1
 #define FLAG_ACK 2
 #define FLAG_META 3
-#define FLAG_KINDS 4
+// Dispatch's rows land in up to MAX_CHUNKS chunks of chunk_tokens tokens; flag kind FLAG_CHUNK + c
+// says chunk c of sender `peer` has landed.
+#define MAX_CHUNKS 4
+#define FLAG_CHUNK 4
+#define FLAG_KINDS (FLAG_CHUNK + MAX_CHUNKS)
 
 // Timeout phases: 1 + 2 * channel for "waiting for the peer's ack" (its slab is still being read),
 // 2 + 2 * channel for "waiting for the peer's arrival" (its data has not landed).
@@ -110,6 +116,8 @@ static_assert(TOPK >= 1 && TOPK <= 32, "TOPK must be in [1, 32] (one lane per co
 #define SLOT_VALUES_SEND 4
 #define SLOT_VALUES_RECV 5
 #define SLOT_DISPATCH_META 6
+// Done-counters of dispatch's chunks: state[STATE_CHUNK_DONE + c], c < MAX_CHUNKS.
+#define STATE_CHUNK_DONE 16
 
 // ------------------------------------------------------------------------------ small helpers
 
@@ -258,13 +266,6 @@ __device__ __forceinline__ u64* flag_at(i64 base, int world, int channel, int ki
     return reinterpret_cast<u64*>(base) + (channel * FLAG_KINDS + kind) * world + peer;
 }
 
-#ifdef MOE_PROBE
-__device__ u64 g_probe[2][160][12];
-#define PROBE(kernel, i) do { if (threadIdx.x == 0 && blockIdx.x < 160) g_probe[kernel][blockIdx.x][i] = globaltimer_ns(); } while (0)
-#else
-#define PROBE(kernel, i) do {} while (0)
-#endif
-
 // ------------------------------------------------------------------------------ status word
 
 __device__ __forceinline__ bool status_timed_out(const i64* status) {
@@ -344,21 +345,12 @@ __device__ __forceinline__ bool last_block_done(u64* counter, int blocks) {
     return is_last != 0;
 }
 
-// Block-wide: wait until flags[b] >= stamp for every b in [first, last) (blocks of the same
-// kernel, which all run at once: grids of at most one block per SM), so what those blocks stored
-// before stamping is visible to this block's later loads.
-__device__ __forceinline__ void wait_blocks(const u64* flags, int first, int last, u64 stamp, i64* status, int rank,
-                                            i64 timeout_ns) {
-    for (int b = first + threadIdx.x; b < last; b += blockDim.x) {
-        wait_flag_geq(flags + b, stamp, status, TIMEOUT_GRID_BARRIER, rank, timeout_ns, true);
-    }
-    __syncthreads();
-}
-
-// Block-wide: a barrier of the blocks whose slots are [first, last); every one of them calls it
-// with its own slot `me`. Each stamps flags[me] = stamp (a GPU-scope release after a barrier of
-// its threads), then waits for all (wait_blocks). Stamps grow from call to call (epochs), so the
-// flags never need resetting.
+// Block-wide: a barrier of the blocks whose slots are [first, last) (blocks of the same kernel,
+// which all run at once: grids of at most one block per SM); every one of them calls it with its
+// own slot `me`. Each stamps flags[me] = stamp (a GPU-scope release after a barrier of its
+// threads), then waits until every slot holds at least `stamp`, so what every block stored before
+// is visible to every block's later loads. Stamps grow from call to call (epochs), so the flags
+// never need resetting.
 __device__ __forceinline__ void blocks_barrier(u64* flags, int me, int first, int last, u64 stamp, i64* status,
                                                int rank, i64 timeout_ns) {
     __syncthreads();
@@ -366,7 +358,10 @@ __device__ __forceinline__ void blocks_barrier(u64* flags, int me, int first, in
         __threadfence();
         st_release_gpu(flags + me, stamp);
     }
-    wait_blocks(flags, first, last, stamp, status, rank, timeout_ns);
+    for (int b = first + threadIdx.x; b < last; b += blockDim.x) {
+        wait_flag_geq(flags + b, stamp, status, TIMEOUT_GRID_BARRIER, rank, timeout_ns, true);
+    }
+    __syncthreads();
 }
 
 // ------------------------------------------------------------------------- remote writes
@@ -476,8 +471,8 @@ struct RowChunks {
 // Slab rows ([W * M] of them, K entries each) are scanned by a group of blocks in batches: the
 // block loads a batch's recv_pos (and optionally recv_weight) into shared memory in one pass and
 // lists the rows that carry work, so warps then only touch those rows. A scan covers a set of
-// rows: all of them, one rank's slab (M rows from `offset`), or every slab but one (`skip_len` rows
-// skipped at `skip_begin`), numbered v = 0 .. total_rows - 1. A batch holds R = min(BATCH_ROWS,
+// rows: all of them or one rank's slab (M rows from `offset`), numbered v = 0 .. total_rows - 1
+// (dispatch's expand_arrivals orders its own batches by chunk). A batch holds R = min(BATCH_ROWS,
 // ceil(total_rows / blocks)) rows, so every block gets a batch even when there are few rows
 // (decode sizes), and batch q of Q = ceil(total_rows / R) holds the rows v = q, q + Q, q + 2Q,
 // ...: interleaved, so the rows that carry tokens (the first T_s of each slab) spread evenly over
@@ -487,6 +482,7 @@ struct RowChunks {
 struct RowBatch {
     i32 pos[BATCH_ROWS * TOPK];
     float weight[BATCH_ROWS * TOPK];
+    i64 row[BATCH_ROWS];  // slab row of batch row j (-1: none)
     i32 list[BATCH_ROWS];
     u32 mask;
 };
@@ -497,55 +493,40 @@ struct BatchShape {
     i64 count;        // number of batches
     i64 total_rows;   // rows of the set
     i64 offset;       // slab row of v = 0
-    i64 skip_begin;   // rows v >= skip_begin are slab rows offset + v + skip_len
-    i64 skip_len;
 };
 
-__device__ __forceinline__ BatchShape batch_shape(i64 total_rows, int blocks, i64 offset = 0, i64 skip_begin = 0,
-                                                  i64 skip_len = 0) {
+__device__ __forceinline__ BatchShape batch_shape(i64 total_rows, int blocks, i64 offset = 0) {
     BatchShape shape;
     const i64 per_block = (total_rows + blocks - 1) / blocks;
     shape.rows = static_cast<int>(per_block < 1 ? 1 : (per_block > BATCH_ROWS ? BATCH_ROWS : per_block));
     shape.count = (total_rows + shape.rows - 1) / shape.rows;
     shape.total_rows = total_rows;
     shape.offset = offset;
-    shape.skip_begin = skip_begin;
-    shape.skip_len = skip_len;
     return shape;
 }
 
-// The slab row of row j of batch `batch` (or one past the set's rows when j runs past them).
-__device__ __forceinline__ i64 batch_row(const BatchShape& shape, i64 batch, int j) {
-    const i64 v = batch + j * shape.count;
-    return shape.offset + v + (v >= shape.skip_begin ? shape.skip_len : 0);
-}
-
-__device__ __forceinline__ bool batch_row_inside(const BatchShape& shape, i64 batch, int j) {
-    return batch + j * shape.count < shape.total_rows;
-}
-
-// Block-wide (every thread calls it; blockDim.x >= 32). Loads the rows of batch `batch` of
-// recv_pos [W * M, TOPK] (and of recv_weight unless it is null) into `b` (plain loads: recv_pos
-// may come from other blocks of the same kernel), and lists in b.list the indices j (slab row
-// batch_row(shape, batch, j)) of the rows with an entry >= min_pos
-// (min_pos 0: a kept entry; -2: any entry that is not empty). Returns how many were listed.
+// Block-wide (every thread calls it; blockDim.x >= 32). Loads `rows` (<= BATCH_ROWS) rows of
+// recv_pos [W * M, TOPK] (and of recv_weight unless it is null) into `b`: batch row j is slab row
+// row_of(j), or none when that is -1 (plain loads: recv_pos may come from other blocks of the same
+// kernel). Lists in b.list the batch rows j with an entry >= min_pos (min_pos 0: a kept entry;
+// -2: any entry that is not empty) and returns how many were listed; b.row[j] is j's slab row.
 // Ends with __syncthreads(); the caller must __syncthreads() before the next call overwrites `b`.
-__device__ __forceinline__ int block_load_rows(RowBatch& b, const i32* recv_pos,
-                                               const float* __restrict__ recv_weight, const BatchShape& shape,
-                                               i64 batch, int min_pos) {
-    for (int i = threadIdx.x; i < shape.rows * TOPK; i += blockDim.x) {
+template <typename RowOf>
+__device__ __forceinline__ int block_load_rows(RowBatch& b, const i32* recv_pos, const float* __restrict__ recv_weight,
+                                               int rows, RowOf row_of, int min_pos) {
+    for (int i = threadIdx.x; i < rows * TOPK; i += blockDim.x) {
         const int j = i / TOPK;
-        const i64 g = batch_row(shape, batch, j);
-        const i64 entry = g * TOPK + (i - j * TOPK);
-        const bool inside = batch_row_inside(shape, batch, j);
-        b.pos[i] = inside ? recv_pos[entry] : -1;
-        if (recv_weight != nullptr) b.weight[i] = inside ? recv_weight[entry] : 0.0f;
+        const int k = i - j * TOPK;
+        const i64 g = row_of(j);
+        b.pos[i] = g >= 0 ? recv_pos[g * TOPK + k] : -1;
+        if (recv_weight != nullptr) b.weight[i] = g >= 0 ? recv_weight[g * TOPK + k] : 0.0f;
+        if (k == 0) b.row[j] = g;
     }
     __syncthreads();
     if (threadIdx.x < 32) {
         const int j = threadIdx.x;
         bool carries = false;
-        if (j < shape.rows) {
+        if (j < rows) {
 #pragma unroll
             for (int k = 0; k < TOPK; ++k) {
                 const int pos = b.pos[j * TOPK + k];
@@ -559,6 +540,16 @@ __device__ __forceinline__ int block_load_rows(RowBatch& b, const i32* recv_pos,
     }
     __syncthreads();
     return __popc(b.mask);
+}
+
+// block_load_rows for batch `batch` of an interleaved set (BatchShape): row j is v = batch + j Q.
+__device__ __forceinline__ int block_load_batch(RowBatch& b, const i32* recv_pos, const float* __restrict__ recv_weight,
+                                                const BatchShape& shape, i64 batch, int min_pos) {
+    return block_load_rows(b, recv_pos, recv_weight, shape.rows, [&](int j) -> i64 {
+        const i64 v = batch + j * shape.count;
+        if (v >= shape.total_rows) return -1;
+        return shape.offset + v;
+    }, min_pos);
 }
 
 // The set of ranks a token was sent to, from its send_mask row [world] (bool bytes), as a

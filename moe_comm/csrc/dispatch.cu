@@ -17,10 +17,12 @@
 //     [T, W] and dest_rank [T, K] (local outputs) are written and invalid expert ids are counted
 //     into the status word (count + smallest (R << 32 | t)). The last sender block done writes
 //     count[0][R] = T and release-stores meta[0][R] = e into every rank's flags.
-//   send rows (senders, one warp per (token, row chunk)): recv_x[R][t] of every OTHER rank t is
-//     sent to gets the x row, once per rank (16-byte stores); R's own rows are never copied, the
-//     expansion reads them from x. The last sender block done release-stores arrival[0][R] = e
-//     into every rank's flags.
+//   send rows (senders, one warp per (token, row part), one unit per warp per round): recv_x[R][t]
+//     of every OTHER rank t is sent to gets the x row, once per rank (16-byte stores); R's own
+//     rows are never copied, the expansion reads them from x. Tokens [c * chunk_tokens,
+//     (c + 1) * chunk_tokens) form chunk c (at most MAX_CHUNKS): after the round that moved its
+//     last row, the last sender block to get there release-stores chunk_c[0][R] = e into every
+//     rank's flags.
 //   layout (early group, or every block when all send; it waits until meta[0][s] >= e for every s
 //     (acquire), then its last layout_blocks blocks rank): T_s = count[0][s]; slab rows t >= T_s
 //     are empty. Ranks the entries (s, t, k) of each local expert in lexicographic order (layout
@@ -32,11 +34,13 @@
 //   own expansion (the same group, after a barrier of it): copies each of R's own rows (from x)
 //     to the out_x row of each of its kept entries and zeroes every segment's padding rows
 //     [start_j + n_j, end_j) (rows at or past expert_offsets[-1] are not touched).
-//   other expansion (every block, after arrival[0][s] >= e for every s, and for senders after the
-//     group's barrier flags): the same copy for the rows the other ranks sent. The last block
-//     release-stores ack[0][R] = e into every source's flags, then sets state.epoch[0] = e.
+//   arrivals (the same group): the same copy for the rows the other ranks send, chunk by chunk as
+//     chunk_c[0][s] >= e says they have landed, so the expansion trails the transfer.
+//   Every block counts itself done at the end; the last one release-stores ack[0][R] = e into
+//     every source's flags, then sets state.epoch[0] = e.
 // `redispatch` runs the same channel with rows only (no metadata) along an existing routing's
-// send_mask, and expands every slab with its recv_pos after the arrivals (no layout, no padding).
+// send_mask: its senders release-store arrival[0][R] = e when done, and every block then expands
+// every slab with the routing's recv_pos (no layout, no padding).
 //
 // A wait that runs past timeout_ns records (phase, peer) into the status word and gives up, so
 // every kernel terminates; the results of that call are then invalid (Dispatcher.check() says so).
@@ -155,20 +159,37 @@ __device__ __forceinline__ void send_metadata(const i64* s_peer, int rank, int w
 }
 
 // Block-wide, blocks [0, num_senders), one warp per (token, row chunk): token rows of x [T, H] to
-// the ranks of their experts (routed from topk_idx again: cheaper than waiting for send_mask).
-__device__ __forceinline__ void send_token_rows(const i64* s_peer, int rank, int world, int max_tokens,
-                                                i64 off_recv_x, int num_experts, int num_senders, const void* x,
-                                                const void* topk_idx, int idx_is_64, int num_tokens) {
+// the ranks of their experts (routed from topk_idx again: cheaper than waiting for send_mask). The
+// warps move one unit per round; tokens [c * chunk_tokens, (c + 1) * chunk_tokens) form chunk c,
+// and after the round that moved a chunk's last unit, the last sender block to get there
+// release-stores chunk[c][R] = e into every rank's flags, so receivers expand while rows land.
+__device__ __forceinline__ void send_token_rows(u64* state, const i64* s_peer, int rank, int world, int max_tokens,
+                                                u64 epoch, i64 off_recv_x, int num_experts, int num_senders,
+                                                int chunk_tokens, const void* x, const void* topk_idx,
+                                                int idx_is_64, int num_tokens) {
     typedef RowChunks<SEND_VPL> Chunks;
     const int warps = blockDim.x >> 5;
     const int local_experts = num_experts / world;
     const i64 num_units = static_cast<i64>(num_tokens) * Chunks::kPerRow;
-    for (i64 unit = static_cast<i64>(blockIdx.x) * warps + (threadIdx.x >> 5); unit < num_units;
-         unit += static_cast<i64>(num_senders) * warps) {
-        const int t = static_cast<int>(unit / Chunks::kPerRow);
-        const int chunk = static_cast<int>(unit - static_cast<i64>(t) * Chunks::kPerRow);
-        const TokenRoute route = route_token(topk_idx, idx_is_64, t, num_experts, local_experts);
-        send_token_unit(s_peer, rank, max_tokens, off_recv_x, x, t, chunk, route.dest_set);
+    const i64 per_round = static_cast<i64>(num_senders) * warps;
+    const i64 rounds = (num_units + per_round - 1) / per_round;
+    const int chunks = (num_tokens + chunk_tokens - 1) / chunk_tokens;
+    int chunk = 0;
+    for (i64 round = 0; round < rounds; ++round) {
+        const i64 unit = round * per_round + static_cast<i64>(blockIdx.x) * warps + (threadIdx.x >> 5);
+        if (unit < num_units) {
+            const int t = static_cast<int>(unit / Chunks::kPerRow);
+            const int part = static_cast<int>(unit - static_cast<i64>(t) * Chunks::kPerRow);
+            const TokenRoute route = route_token(topk_idx, idx_is_64, t, num_experts, local_experts);
+            send_token_unit(s_peer, rank, max_tokens, off_recv_x, x, t, part, route.dest_set);
+        }
+        for (; chunk < chunks; ++chunk) {
+            const i64 last_token = imin64(static_cast<i64>(chunk + 1) * chunk_tokens, num_tokens) - 1;
+            if ((last_token + 1) * Chunks::kPerRow - 1 >= (round + 1) * per_round) break;  // ends in a later round
+            if (last_block_done(state + STATE_CHUNK_DONE + chunk, num_senders)) {
+                signal_every_rank(s_peer, rank, world, CH_TO_DEST, FLAG_CHUNK + chunk, epoch, false, 0);
+            }
+        }
     }
 }
 
@@ -412,50 +433,134 @@ __device__ __forceinline__ void layout_entries(i32* smem, i64 base, int rank, in
 
 // The slab rows an expansion covers: every slab (redispatch), this rank's own (its rows are in x
 // before any peer's arrive), or every other rank's.
-enum SlabRows { ALL_SLABS, OWN_SLAB, OTHER_SLABS };
+enum SlabRows { ALL_SLABS, OWN_SLAB };
 
 __device__ __forceinline__ BatchShape slab_rows(SlabRows set, int rank, int world, int max_tokens, int blocks) {
     const i64 m = max_tokens;
     if (set == OWN_SLAB) return batch_shape(m, blocks, rank * m);
-    if (set == OTHER_SLABS) return batch_shape((world - 1) * m, blocks, 0, rank * m, m);
     return batch_shape(world * m, blocks);
 }
 
-// Block-wide, blocks [first_block, gridDim.x): copy each carried slab row of `shape`'s set to the
-// out_x rows of its kept entries (recv_pos [W * M, K] in [0, capacity_rows)). Rows of this rank's
-// own slab come from x [num_tokens, H] (they are never sent), the others from recv_x, where their
-// sources wrote them before the arrival this block acquired. recv_pos may have been written by
-// other blocks of this kernel: plain loads. A call whose waits timed out may carry rows past
+// Block-wide: copy the listed rows of `batch` (slab rows batch.row[...]) to the out_x rows of
+// their kept entries (recv_pos in [0, capacity_rows)). Rows of this rank's own slab come from x
+// [num_tokens, H] (they are never sent), the others from recv_x, where their sources wrote them
+// before a flag this block acquired. A call whose waits timed out may carry own rows past
 // num_tokens: they are skipped.
+__device__ __forceinline__ void copy_listed_rows(const RowBatch& batch, int listed, const u8* recv, const u8* x,
+                                                 int num_tokens, int rank, int max_tokens, int capacity_rows,
+                                                 u8* out) {
+    typedef RowChunks<EXPAND_VPL> Chunks;
+    const int lane = threadIdx.x & 31;
+    const int warps = blockDim.x >> 5;
+    const i64 own_first = static_cast<i64>(rank) * max_tokens;
+    for (int unit = threadIdx.x >> 5; unit < listed * Chunks::kPerRow; unit += warps) {
+        const int r = batch.list[unit / Chunks::kPerRow];
+        const int chunk = unit - (unit / Chunks::kPerRow) * Chunks::kPerRow;
+        const int pos = lane < TOPK ? batch.pos[r * TOPK + lane] : -1;
+        const u32 kept = __ballot_sync(FULL_MASK, lane < TOPK && pos >= 0 && pos < capacity_rows);
+        const i64 g = batch.row[r];
+        const int v0 = chunk * Chunks::kVecs + lane;
+        Vec16 vals[EXPAND_VPL];
+        if (g >= own_first && g < own_first + max_tokens) {
+            if (g - own_first >= num_tokens) continue;
+            load_unit_nc<EXPAND_VPL>(x + (g - own_first) * ROW_BYTES, vals, v0);
+        } else {
+            load_unit<EXPAND_VPL>(recv + g * ROW_BYTES, vals, v0);
+        }
+        for (u32 m = kept; m != 0u; m &= m - 1u) {
+            const int k = __ffs(static_cast<int>(m)) - 1;
+            store_unit<EXPAND_VPL>(out + static_cast<i64>(batch.pos[r * TOPK + k]) * ROW_BYTES, vals, v0);
+        }
+    }
+}
+
+// Block-wide, blocks [first_block, gridDim.x): expand every carried slab row of `shape`'s set
+// (recv_pos [W * M, K] may have been written by other blocks of this kernel: plain loads).
 __device__ __forceinline__ void expand_rows(RowBatch& batch, const BatchShape& shape, int first_block, const u8* recv,
                                             const u8* x, int num_tokens, int rank, int max_tokens,
                                             const i32* recv_pos, int capacity_rows, u8* out) {
-    typedef RowChunks<EXPAND_VPL> Chunks;
-    const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    const int warps = blockDim.x >> 5;
-    const i64 own_first = static_cast<i64>(rank) * max_tokens;
     for (i64 q = blockIdx.x - first_block; q < shape.count; q += gridDim.x - first_block) {
-        const int listed = block_load_rows(batch, recv_pos, nullptr, shape, q, 0);
-        for (int unit = warp; unit < listed * Chunks::kPerRow; unit += warps) {
-            const int r = batch.list[unit / Chunks::kPerRow];
-            const int chunk = unit - (unit / Chunks::kPerRow) * Chunks::kPerRow;
-            const int pos = lane < TOPK ? batch.pos[r * TOPK + lane] : -1;
-            const u32 kept = __ballot_sync(FULL_MASK, lane < TOPK && pos >= 0 && pos < capacity_rows);
-            const i64 g = batch_row(shape, q, r);
-            const int v0 = chunk * Chunks::kVecs + lane;
-            Vec16 vals[EXPAND_VPL];
-            if (g >= own_first && g < own_first + max_tokens) {
-                if (g - own_first >= num_tokens) continue;
-                load_unit_nc<EXPAND_VPL>(x + (g - own_first) * ROW_BYTES, vals, v0);
-            } else {
-                load_unit<EXPAND_VPL>(recv + g * ROW_BYTES, vals, v0);
+        const int listed = block_load_batch(batch, recv_pos, nullptr, shape, q, 0);
+        copy_listed_rows(batch, listed, recv, x, num_tokens, rank, max_tokens, capacity_rows, out);
+        __syncthreads();  // the batch is overwritten next
+    }
+}
+
+// Block-wide, blocks [first_block, gridDim.x), after every source's metadata was acquired: expand
+// the rows the other ranks send, chunk by chunk as they land. The rows t < T_s of every other
+// slab s form pieces p = c * (W - 1) + i (chunk c of the i-th other rank), numbered in that
+// order and cut into batches of consecutive rows, so the blocks sweep the chunks in the order the
+// senders complete them; before a batch, thread j waits for the chunk flag of row j.
+__device__ __forceinline__ void expand_arrivals(RowBatch& batch, i64 base, int rank, int world, int max_tokens,
+                                                int chunk_tokens, u64 epoch, i64* status, i64 timeout_ns,
+                                                int first_block, const u8* recv, const i32* recv_pos,
+                                                int capacity_rows, u8* out) {
+    __shared__ i32 s_piece[(MAX_WORLD - 1) * MAX_CHUNKS + 1];  // rows of the pieces before p
+    const int others = world - 1;
+    const int pieces = others * MAX_CHUNKS;
+    __syncthreads();  // s_piece may still be read by an earlier call's last batch
+    if (threadIdx.x < 32) {
+        const int lane = threadIdx.x;
+        int carry = 0;
+        for (int p0 = 0; p0 < pieces; p0 += 32) {
+            const int p = p0 + lane;
+            int rows = 0;
+            if (p < pieces) {
+                const int i = p % others;
+                const int s = i < rank ? i : i + 1;
+                const u64 count = ld_relaxed_sys(flag_at(base, world, CH_TO_DEST, FLAG_COUNT, s));
+                const int tokens = count > static_cast<u64>(max_tokens) ? max_tokens : static_cast<int>(count);
+                rows = min(max(tokens - (p / others) * chunk_tokens, 0), chunk_tokens);
             }
-            for (u32 m = kept; m != 0u; m &= m - 1u) {
-                const int k = __ffs(static_cast<int>(m)) - 1;
-                store_unit<EXPAND_VPL>(out + static_cast<i64>(batch.pos[r * TOPK + k]) * ROW_BYTES, vals, v0);
+            int inclusive = rows;
+#pragma unroll
+            for (int offset = 1; offset < 32; offset <<= 1) {
+                const int n = __shfl_up_sync(FULL_MASK, inclusive, offset);
+                if (lane >= offset) inclusive += n;
             }
+            if (p < pieces) s_piece[p] = carry + inclusive - rows;
+            carry += __shfl_sync(FULL_MASK, inclusive, 31);
         }
+        if (lane == 0) s_piece[pieces] = carry;
+    }
+    __syncthreads();
+
+    // Batches small enough that every chunk's rows spread over all the blocks: the rows of the
+    // last chunk to land are what is left to expand after the transfer.
+    const i64 total = s_piece[pieces];
+    const int blocks = gridDim.x - first_block;
+    const i64 chunk_rows = imin64(total, static_cast<i64>(others) * chunk_tokens);
+    const i64 per_block = (chunk_rows + blocks - 1) / blocks;
+    const int rows = static_cast<int>(per_block < 1 ? 1 : (per_block > BATCH_ROWS ? BATCH_ROWS : per_block));
+    // Piece p and slab row of virtual row v < total.
+    auto locate = [&](i64 v, int& piece, int& source) -> i64 {
+        int lo = 0, hi = pieces - 1;  // the last piece starting at or before v
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) >> 1;
+            if (s_piece[mid] <= v) lo = mid;
+            else hi = mid - 1;
+        }
+        const int i = lo % others;
+        piece = lo;
+        source = i < rank ? i : i + 1;
+        return static_cast<i64>(source) * max_tokens + (lo / others) * static_cast<i64>(chunk_tokens) +
+               (v - s_piece[lo]);
+    };
+    for (i64 q = blockIdx.x - first_block; q * rows < total; q += blocks) {
+        if (threadIdx.x < rows && q * rows + threadIdx.x < total) {
+            int piece, source;
+            locate(q * rows + threadIdx.x, piece, source);
+            wait_flag_geq(flag_at(base, world, CH_TO_DEST, FLAG_CHUNK + piece / others, source), epoch, status,
+                          TIMEOUT_TO_DEST_ARRIVAL, source, timeout_ns);
+        }
+        __syncthreads();
+        const int listed = block_load_rows(batch, recv_pos, nullptr, rows, [&](int j) -> i64 {
+            const i64 v = q * rows + j;
+            if (v >= total) return -1;
+            int piece, source;
+            return locate(v, piece, source);
+        }, 0);
+        copy_listed_rows(batch, listed, recv, nullptr, 0, rank, max_tokens, capacity_rows, out);
         __syncthreads();  // the batch is overwritten next
     }
 }
@@ -520,15 +625,13 @@ __device__ __forceinline__ void zero_padding(const i32* s_end, const i32* s_kept
 // ---------------------------------------------------------------------------------- kernels
 
 // One block per SM (gridDim.x <= SMs: blocks wait for each other). Blocks [0, num_senders) send;
-// when there are blocks beyond them, those ("the early group", the last layout_blocks of them
-// laying out) lay out, expand this rank's own rows and zero the padding while the senders still
-// send, and only the other ranks' rows are expanded after the arrivals, by every block. Dynamic
-// shared memory: the layout's (blockDim.x / 32 + 3) * num_local int32. block_counts
-// [layout_blocks, num_local] int32 and grid_flags [2, gridDim.x] u64 (zero at first) are this
-// kernel's local scratch.
+// the blocks after them (the early group; every block when all send), the last layout_blocks of
+// them laying out, receive while the senders still send. Dynamic shared memory: the layout's
+// (blockDim.x / 32 + 3) * num_local int32. block_counts [layout_blocks, num_local] int32 and
+// grid_flags [2, gridDim.x] u64 (zero at first) are this kernel's local scratch.
 extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) dispatch(
     const i64* __restrict__ peers, int rank, int world, int max_tokens, u64* state, i64* status, i64 timeout_ns,
-    i64 off_meta, i64 off_recv_x, int num_experts, int num_senders,
+    i64 off_meta, i64 off_recv_x, int num_experts, int num_senders, int chunk_tokens,
     const void* __restrict__ x, const void* __restrict__ topk_idx, int idx_is_64,
     const float* __restrict__ topk_weights, int num_tokens, u8* __restrict__ send_mask, i32* __restrict__ dest_rank,
     int num_local, int alignment, int capacity, int layout_blocks,
@@ -543,10 +646,8 @@ extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) dispatch(
     const int block = blockIdx.x;
     const int early = num_senders < grid ? num_senders : 0;  // first block of the early group
     const int layout_first = grid - layout_blocks;
-    u64* group_flags = grid_flags + grid;
     const u8* rows = static_cast<const u8*>(x);
     u8* out = static_cast<u8*>(out_x);
-    PROBE(0, 0);
     __syncthreads();
     const u8* recv = reinterpret_cast<const u8*>(s_peer[rank] + off_recv_x);
 
@@ -558,43 +659,27 @@ extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) dispatch(
         if (last_block_done(state + STATE_DONE + SLOT_DISPATCH_META, num_senders)) {
             signal_every_rank(s_peer, rank, world, CH_TO_DEST, FLAG_META, epoch, true, static_cast<u64>(num_tokens));
         }
-        PROBE(0, 1);
-        send_token_rows(s_peer, rank, world, max_tokens, off_recv_x, num_experts, num_senders, x, topk_idx,
-                        idx_is_64, num_tokens);
-        if (last_block_done(state + STATE_DONE + SLOT_DISPATCH_SEND, num_senders)) {
-            signal_every_rank(s_peer, rank, world, CH_TO_DEST, FLAG_ARRIVAL, epoch, false, 0);
-        }
-        PROBE(0, 2);
+        send_token_rows(state, s_peer, rank, world, max_tokens, epoch, off_recv_x, num_experts, num_senders,
+                        chunk_tokens, x, topk_idx, idx_is_64, num_tokens);
     }
 
     if (block >= early) {
         block_wait_flags(s_peer[rank], world, CH_TO_DEST, FLAG_META, epoch, status, TIMEOUT_TO_DEST_ARRIVAL,
                          timeout_ns);
-        PROBE(0, 3);
         if (block >= layout_first) {
             layout_entries(smem, s_peer[rank], rank, world, max_tokens, epoch, status, timeout_ns, off_meta,
                            num_local, alignment, capacity, block - layout_first, layout_blocks, recv_pos, recv_weight,
                            expert_offsets, tokens_per_expert, block_counts, grid_flags);
         }
-        PROBE(0, 4);
-        blocks_barrier(group_flags, block, early, grid, epoch, status, rank, timeout_ns);
+        blocks_barrier(grid_flags + grid, block, early, grid, epoch, status, rank, timeout_ns);
         load_segments(smem, smem + num_local, smem + 2 * num_local, expert_offsets, tokens_per_expert, num_local);
-        PROBE(0, 5);
         expand_rows(batch, slab_rows(OWN_SLAB, rank, world, max_tokens, grid - early), early, recv, rows, num_tokens,
                     rank, max_tokens, recv_pos, capacity_rows, out);
         zero_padding(smem, smem + num_local, smem + 2 * num_local, num_local, capacity_rows, early, out);
-        PROBE(0, 6);
+        expand_arrivals(batch, s_peer[rank], rank, world, max_tokens, chunk_tokens, epoch, status, timeout_ns, early,
+                        recv, recv_pos, capacity_rows, out);
     }
-
-    block_wait_flags(s_peer[rank], world, CH_TO_DEST, FLAG_ARRIVAL, epoch, status, TIMEOUT_TO_DEST_ARRIVAL,
-                     timeout_ns);
-    if (block < early) wait_blocks(group_flags, early, grid, epoch, status, rank, timeout_ns);
-    PROBE(0, 7);
-    expand_rows(batch, slab_rows(OTHER_SLABS, rank, world, max_tokens, grid), 0, recv, rows, num_tokens, rank,
-                max_tokens, recv_pos, capacity_rows, out);
-    PROBE(0, 8);
     acknowledge_and_advance(state, SLOT_DISPATCH_EXPAND, s_peer, rank, world, CH_TO_DEST, epoch);
-    PROBE(0, 9);
 }
 
 // Rows only, along an existing routing (send_mask [T, W], recv_pos [W, M, K]): the same channel,
