@@ -177,6 +177,20 @@ def test_bad_arguments_name_themselves(nvrtc, cache):
         jit.compile_source("no_such_kernel", arch="sm_90")
 
 
+def test_launch_parameters_are_packed_as_cuLaunchKernel_reads_them():
+    """Each value sits in its own 8-byte slot; a 4-byte parameter is read from the slot's low bytes."""
+    params = jit._pack_params([(0x7FFF_0000_1234, ctypes.c_void_p), (-3, ctypes.c_int), (2**40, ctypes.c_longlong)])
+    pointers = list(params.pointers)
+    assert pointers == [params.slots.buffer_info()[0] + 8 * i for i in range(3)]
+    assert ctypes.c_void_p.from_address(pointers[0]).value == 0x7FFF_0000_1234
+    assert ctypes.c_int.from_address(pointers[1]).value == -3
+    assert ctypes.c_longlong.from_address(pointers[2]).value == 2**40
+    assert params.address == params.pointers.buffer_info()[0]
+    assert jit._pack_params([]) is None
+    with pytest.raises(InputError, match="c_float"):
+        jit._pack_params([(1, ctypes.c_int), (1.0, ctypes.c_float)])
+
+
 def test_declared_defines():
     text = '// moe_comm-defines: {"HIDDEN": 7168, "DTYPE": "bf16"}\n// moe_comm-defines: {"HIDDEN": 4096}\nint x;\n'
     assert jit._declared_defines("k", text) == [{"HIDDEN": 7168, "DTYPE": "bf16"}, {"HIDDEN": 4096}]
