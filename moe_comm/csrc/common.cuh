@@ -107,9 +107,9 @@ static_assert(TOPK >= 1 && TOPK <= 32, "TOPK must be in [1, 32] (one lane per co
 
 #define STATE_EPOCH 0
 #define STATE_DONE 2
-// Done-counter slots, one per phase that ends in a signal (dispatch and redispatch share theirs:
-// calls of one backend are ordered, and the last block resets the counter).
-#define SLOT_DISPATCH_SEND 0
+// Done-counter slots, one per phase that ends in a signal (dispatch and redispatch share the
+// expand slot: calls of one backend are ordered, and the last block resets the counter).
+#define SLOT_REDISPATCH_SEND 0
 #define SLOT_DISPATCH_EXPAND 1
 #define SLOT_COMBINE_SEND 2
 #define SLOT_COMBINE_RECV 3

@@ -698,7 +698,7 @@ extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) redispatch(
         block_wait_flags(s_peer[rank], world, CH_TO_DEST, FLAG_ACK, epoch - 1, status, TIMEOUT_TO_DEST_ACK,
                          timeout_ns);
         send_rows(s_peer, rank, world, max_tokens, off_recv_x, num_senders, x, num_tokens, send_mask);
-        if (last_block_done(state + STATE_DONE + SLOT_DISPATCH_SEND, num_senders)) {
+        if (last_block_done(state + STATE_DONE + SLOT_REDISPATCH_SEND, num_senders)) {
             signal_every_rank(s_peer, rank, world, CH_TO_DEST, FLAG_ARRIVAL, epoch, false, 0);
         }
     }
