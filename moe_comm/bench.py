@@ -8,8 +8,8 @@ flatter. Before each measurement the ranks are aligned: for a graph replay on th
 spin kernel covers the host's enqueueing, then an all_reduce that every GPU leaves at the same
 moment, then the start event), so the time is the replay's, as in a decode loop whose steps keep
 the ranks in lockstep; for an eager call on the host (an all_reduce and a synchronize), so the
-time includes the Python and launch overheads that the call adds. moe_comm is measured eager and graph-replayed;
-the padded baseline graph-replayed; the host-split baseline eager (it synchronises); torch's
+time includes the Python and launch overheads that the call adds. moe_comm is measured eager and
+graph-replayed; the padded baseline graph-replayed; the host-split baseline eager (it synchronises); torch's
 NVSHMEM ``all_to_all_vdev_2d`` baseline graph-replayed, or eager with the reason in the table's
 note if torch refuses to capture it, and listed as unavailable (with the reason) where it cannot
 run: no GPU or NVSHMEM, or this process already uses another symmetric-memory provider (moe_comm's

@@ -102,7 +102,7 @@ class SymmetricLayout:
     ``W`` ranks, ``M = max_tokens``, ``K = topk``, rows of ``row_bytes``; every region starts at a
     multiple of 256 bytes.
 
-    * ``flags``    u64 ``[2 channels][4 kinds][W]`` at offset 0: arrival (written by the sender),
+    * ``flags``    u64 ``[2 channels][4 + 4 kinds][W]`` at offset 0: arrival (written by the sender),
       count (the sender's T), ack (written by the receiver into the sender's memory), metadata
       (dispatch: the sender's metadata rows and count have landed; its rows may still be in flight),
       then one per chunk of dispatch's rows (chunk ``c`` of the sender's rows has landed).
@@ -181,8 +181,8 @@ class DispatchKernels:
     """Launchers of ``csrc/dispatch.cu`` for one backend (loads every entry point now).
 
     Both kernels run one block per SM of the device (their blocks wait for each other, so all
-    must be resident at once); the first ``num_sms`` blocks push rows to peers, every block takes
-    part in the local layout and expansion.
+    must be resident at once); the first ``num_sms`` blocks push rows to peers while the others lay
+    out and expand what has landed (every block does both when ``num_sms`` covers the device).
 
     Args:
         device: the CUDA device (with an index). defines: :func:`kernel_defines`.

@@ -10,8 +10,8 @@ with torch, and a whole step can be captured in a CUDA graph and replayed. The p
 stated at the top of ``csrc/dispatch.cu`` and ``csrc/combine.cu``.
 
 NOTE: one call = these launches on the current stream: dispatch 1, combine 1, redispatch 1,
-return_entry_values 2. Calls of one backend must be ordered on the
-device (one stream, or events between streams): the epochs and done-counters are per backend.
+return_entry_values 2. Calls of one backend must be ordered on the device (one stream, or events
+between streams): the epochs and done-counters are per backend.
 Every rank must run the same sequence of calls (they are collective), eager or replayed.
 
 NOTE: redispatch leaves the rows of its result that no kept entry maps to unspecified (the
