@@ -190,9 +190,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) combine(
     const u8* __restrict__ send_mask, int num_tokens, void* __restrict__ z) {
     __shared__ i64 s_peer[MAX_WORLD];
     __shared__ RowBatch batch;
-    load_peers(s_peer, peers, world);
-    const u64 epoch = state[STATE_EPOCH + CH_TO_SOURCE] + 1;
-    __syncthreads();
+    const u64 epoch = begin_call(s_peer, peers, world, state, CH_TO_SOURCE);
     block_wait_flags(s_peer[rank], world, CH_TO_SOURCE, FLAG_ACK, epoch - 1, status, TIMEOUT_TO_SOURCE_ACK,
                      timeout_ns);
     send_partials(batch, s_peer, rank, world, max_tokens, off_ret_x, off_stage_x, y, capacity_rows, recv_pos,
@@ -212,9 +210,7 @@ extern "C" __global__ void __launch_bounds__(VALUES_THREADS) values_send(
     const i64* __restrict__ peers, int rank, int world, int max_tokens, u64* state, i64* status, i64 timeout_ns,
     i64 off_ret_vals, const float* __restrict__ row_vector, int capacity_rows, const i32* __restrict__ recv_pos) {
     __shared__ i64 s_peer[MAX_WORLD];
-    load_peers(s_peer, peers, world);
-    const u64 epoch = state[STATE_EPOCH + CH_TO_SOURCE] + 1;
-    __syncthreads();
+    const u64 epoch = begin_call(s_peer, peers, world, state, CH_TO_SOURCE);
     block_wait_flags(s_peer[rank], world, CH_TO_SOURCE, FLAG_ACK, epoch - 1, status, TIMEOUT_TO_SOURCE_ACK,
                      timeout_ns);
 
@@ -241,9 +237,7 @@ extern "C" __global__ void __launch_bounds__(VALUES_THREADS) values_recv(
     const i64* __restrict__ peers, int rank, int world, int max_tokens, u64* state, i64* status, i64 timeout_ns,
     i64 off_ret_vals, const i32* __restrict__ dest_rank, int num_tokens, float* __restrict__ out) {
     __shared__ i64 s_peer[MAX_WORLD];
-    load_peers(s_peer, peers, world);
-    const u64 epoch = state[STATE_EPOCH + CH_TO_SOURCE] + 1;
-    __syncthreads();
+    const u64 epoch = begin_call(s_peer, peers, world, state, CH_TO_SOURCE);
     block_wait_flags(s_peer[rank], world, CH_TO_SOURCE, FLAG_ARRIVAL, epoch, status, TIMEOUT_TO_SOURCE_ARRIVAL,
                      timeout_ns);
 

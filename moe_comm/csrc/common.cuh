@@ -452,9 +452,13 @@ __device__ __forceinline__ void acknowledge_and_advance(u64* state, int slot, co
     }
 }
 
-// Copy the peer base addresses into shared memory (called before the first __syncthreads).
-__device__ __forceinline__ void load_peers(i64* s_peer, const i64* peers, int world) {
+// Block-wide start of every kernel: the peer base addresses into shared memory s_peer [world]
+// (visible to every thread on return) and this call's epoch on `channel` (the last completed + 1).
+__device__ __forceinline__ u64 begin_call(i64* s_peer, const i64* peers, int world, const u64* state, int channel) {
     for (int p = threadIdx.x; p < world; p += blockDim.x) s_peer[p] = peers[p];
+    const u64 epoch = state[STATE_EPOCH + channel] + 1;
+    __syncthreads();
+    return epoch;
 }
 
 // Warp-level split of a row into chunks of 32 * VPL vectors (VPL vectors per lane), so several

@@ -640,15 +640,13 @@ extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) dispatch(
     extern __shared__ i32 smem[];
     __shared__ i64 s_peer[MAX_WORLD];
     __shared__ RowBatch batch;
-    load_peers(s_peer, peers, world);
-    const u64 epoch = state[STATE_EPOCH + CH_TO_DEST] + 1;
+    const u64 epoch = begin_call(s_peer, peers, world, state, CH_TO_DEST);
     const int grid = gridDim.x;
     const int block = blockIdx.x;
     const int early = num_senders < grid ? num_senders : 0;  // first block of the early group
     const int layout_first = grid - layout_blocks;
     const u8* rows = static_cast<const u8*>(x);
     u8* out = static_cast<u8*>(out_x);
-    __syncthreads();
     const u8* recv = reinterpret_cast<const u8*>(s_peer[rank] + off_recv_x);
 
     if (block < num_senders) {
@@ -690,9 +688,7 @@ extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) redispatch(
     const i32* __restrict__ recv_pos, int capacity_rows, void* __restrict__ out_x) {
     __shared__ i64 s_peer[MAX_WORLD];
     __shared__ RowBatch batch;
-    load_peers(s_peer, peers, world);
-    const u64 epoch = state[STATE_EPOCH + CH_TO_DEST] + 1;
-    __syncthreads();
+    const u64 epoch = begin_call(s_peer, peers, world, state, CH_TO_DEST);
 
     if (static_cast<int>(blockIdx.x) < num_senders) {
         block_wait_flags(s_peer[rank], world, CH_TO_DEST, FLAG_ACK, epoch - 1, status, TIMEOUT_TO_DEST_ACK,
