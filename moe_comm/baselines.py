@@ -193,9 +193,13 @@ class SymmMemAllToAll2d(_AllToAllBaseline):
     synchronises with the host, so the step can be captured in a CUDA graph if torch allows it.
 
     NOTE: torch 2.11's ``all_to_all_vdev_2d`` takes at most 16 chunks per rank (``NUM_TILES``,
-    512 threads / 32, in ``nvshmem_extension.cu``) and its reverse at most 16 ranks, while the
-    headline workload has 128 experts per rank. A chunk is therefore a block of consecutive local
-    experts (:func:`chunks_per_rank`; one expert per chunk when there are at most 16), and every row
+    512 threads / 32, in ``nvshmem_extension.cu``), while the headline workload has 128 experts
+    per rank. Both ops also launch ``min(splits, 64)`` blocks (8 above 8 ranks) that loop over the
+    ``world * chunks`` splits, and block 0 overwrites the source offsets with the output offsets
+    while other blocks may still be reading them: with more splits than blocks the received rows
+    came out wrong (8x H200, 8 ranks x 16 chunks: combine relative error 1.0). So at most
+    ``64 // world`` chunks per rank and at most 8 ranks. A chunk is a block of consecutive local
+    experts (:func:`chunks_per_rank`; one expert per chunk when there are few enough), and every row
     carries its local expert id in 8 bytes appended to it, so that the receiver sorts by expert
     without a second exchange (the NCCL baselines send the ids with a second ``all_to_all_single``).
 
@@ -212,9 +216,11 @@ class SymmMemAllToAll2d(_AllToAllBaseline):
     """
 
     name = "torch all_to_all_vdev_2d (NVSHMEM)"
-    # torch 2.11's limits (nvshmem_extension.cu): chunks per rank of all_to_all_vdev_2d, ranks of the offset variant.
+    # torch 2.11's limits (nvshmem_extension.cu): chunks per rank of all_to_all_vdev_2d, and the
+    # blocks both ops launch on up to 8 ranks (each split needs its own block: see the NOTE).
     MAX_CHUNKS_PER_RANK = 16
-    MAX_WORLD_SIZE = 16
+    MAX_SPLITS = 64
+    MAX_WORLD_SIZE = 8
     _ID_BYTES = 8  # the int64 local expert id appended to every sent row
 
     @staticmethod
@@ -241,7 +247,8 @@ class SymmMemAllToAll2d(_AllToAllBaseline):
         super().__init__(num_experts, group)
         self.device = device
         local_experts = num_experts // self.world_size
-        self.num_chunks = chunks_per_rank(local_experts, self.MAX_CHUNKS_PER_RANK)
+        self.num_chunks = chunks_per_rank(local_experts, min(self.MAX_CHUNKS_PER_RANK,
+                                                             self.MAX_SPLITS // self.world_size))
         self._experts_per_chunk = local_experts // self.num_chunks
         self._hidden, self._dtype = hidden, dtype
         self._row_bytes = hidden * torch.empty((), dtype=dtype).element_size()

@@ -29,8 +29,9 @@ class _GlooAllToAll2d(SymmMemAllToAll2d):
     rank-major. Both fill ``out_splits_offsets`` (lengths, starts).
     """
 
-    def __init__(self, *args, max_chunks: int = 16) -> None:
+    def __init__(self, *args, max_chunks: int = 16, max_splits: int = 64) -> None:
         self.MAX_CHUNKS_PER_RANK = max_chunks
+        self.MAX_SPLITS = max_splits
         super().__init__(*args)
 
     def _open_symmetric_memory(self, nbytes: int) -> str:
@@ -84,8 +85,10 @@ def _baselines_match(rank: int, world: int) -> None:
         # (what the op's 16-chunk limit forces on the 128 experts per rank of the headline workload).
         _GlooAllToAll2d(EXPERTS, TOPK, TOKENS + 2, HIDDEN, x.dtype, cpu),
         _GlooAllToAll2d(EXPERTS, TOPK, TOKENS + 2, HIDDEN, x.dtype, cpu, None, max_chunks=2),
+        # torch's ops give each of the world * chunks splits its own block (64 of them): fewer chunks.
+        _GlooAllToAll2d(EXPERTS, TOPK, TOKENS + 2, HIDDEN, x.dtype, cpu, None, max_splits=2 * world),
     )
-    assert [b.num_chunks for b in baselines[2:]] == [local, 2]
+    assert [b.num_chunks for b in baselines[2:]] == [local, 2, 2]
     every_idx = [torch.empty_like(idx) for _ in range(world)]
     dist.all_gather(every_idx, idx)
     mine = torch.cat(every_idx).reshape(-1) // local == rank

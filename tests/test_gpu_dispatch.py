@@ -300,7 +300,7 @@ def _rank_main(rank: int, world: int, backend_id: str) -> None:
 
 # Every backend bitwise equal to the reference, so all of them give identical outputs for the same
 # inputs. One spawn per (backend, world): torch's symmetric-memory provider is chosen once per process.
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
 @pytest.mark.parametrize("backend_id", list(GPU_BACKENDS))
 def test_backend_matches_reference(backend_id, world, requires_gpus):
     present = requires_gpus(1)
