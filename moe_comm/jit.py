@@ -479,7 +479,7 @@ class KernelFunction:
         self,
         grid: Union[int, tuple[int, ...]],
         block: Union[int, tuple[int, ...]],
-        args: Sequence[tuple[Any, Any]],
+        args: Union["KernelParams", Sequence[tuple[Any, Any]]],
         shared_bytes: int = 0,
         stream: Optional[torch.cuda.Stream] = None,
     ) -> None:
@@ -487,9 +487,10 @@ class KernelFunction:
 
         Args:
             grid, block: an int or a tuple of 1 to 3 ints (x, y, z).
-            args: ``(value, ctypes type)`` per kernel parameter, in order, e.g.
-                ``(tensor.data_ptr(), ctypes.c_void_p)`` for a pointer, ``(n, ctypes.c_int)``; the
-                types are ``c_int``, ``c_uint``, ``c_longlong``, ``c_ulonglong`` and ``c_void_p``.
+            args: a filled :class:`KernelParams` (what per-step launches reuse), or ``(value,
+                ctypes type)`` per kernel parameter, in order, e.g. ``(tensor.data_ptr(),
+                ctypes.c_void_p)`` for a pointer, ``(n, ctypes.c_int)``; the types are ``c_int``,
+                ``c_uint``, ``c_longlong``, ``c_ulonglong`` and ``c_void_p``.
             shared_bytes: dynamic shared memory per block; above 48 KiB the function's limit is
                 raised first (once per new maximum).
             stream: defaults to torch's current stream on the kernel's device.
@@ -505,11 +506,11 @@ class KernelFunction:
         # NOTE: torch.cuda.current_stream(i).cuda_stream costs 1.5 us of host time per call on the
         # GPU machines; the raw-stream getter (what torch's own generated code calls) is much cheaper.
         handle = stream.cuda_stream if stream is not None else self._raw_stream(self._index)
-        params = _pack_params(args)
+        params = args if type(args) is KernelParams else _pack_params(args)
         # The launch acts on the thread's current context: a thread that never touched CUDA has
         # none (CUDA_ERROR_INVALID_CONTEXT) and one whose current device is another GPU has the
         # wrong one (CUDA_ERROR_INVALID_HANDLE). Checking costs 0.15 us; fixing it only when needed.
-        address = 0 if params is None else params.address
+        address = params.address
         if int(self._get_context()[1]) == self._context:
             (error,) = self._launch(self._function, gx, gy, gz, bx, by, bz, shared_bytes, handle, address, 0)
         else:
@@ -532,32 +533,66 @@ class KernelFunction:
         self._shared_limit = shared_bytes
 
 
-class _PackedParams:
-    """``kernelParams`` of one launch: 8-byte slots holding the values and the array of pointers to
-    them that ``cuLaunchKernel`` takes (by its address). cuda-bindings' own packing of ``(values,
-    types)`` tuples cost ~50 us of host time per launch of a 27-parameter kernel on the GPU
-    machines. The object must live until the launch call returns."""
+class KernelParams:
+    """``cuLaunchKernel``'s kernelParams, reusable: one 8-byte slot per parameter and the array of
+    pointers to the slots, which the launch takes by its address.
 
-    __slots__ = ("slots", "pointers", "address")
+    The first ``len(fixed)`` parameters are set once, here; :meth:`fill` sets the others before
+    each launch. The driver copies the values during the launch call (also while capturing a
+    graph), so refilling after it returned is safe; two threads must not fill and launch one
+    object at once. A 4-byte parameter is read from its slot's low bytes.
 
-    def __init__(self, values: list) -> None:
-        self.slots = array.array("Q", values)
-        base = self.slots.buffer_info()[0]
-        self.pointers = array.array("Q", range(base, base + 8 * len(values), 8))
-        self.address = self.pointers.buffer_info()[0]
+    NOTE: cuda-bindings' own packing of ``(values, types)`` tuples cost ~50 us of host time per
+    launch of a 27-parameter kernel on the GPU machines, and building these arrays afresh per
+    launch ~14 us on a CPU host; filling a prepared object costs about 0.1 us per value.
+
+    Args:
+        types: the ctypes type of every parameter, in order (``c_int``, ``c_uint``, ``c_longlong``,
+            ``c_ulonglong``, ``c_void_p``). fixed: the values of the leading parameters.
+
+    Raises:
+        InputError: a type is not one of those, or more fixed values than parameters.
+    """
+
+    __slots__ = ("_slots", "_pointers", "_first_free", "address")
+
+    def __init__(self, types: Sequence[Any], fixed: Sequence[int] = ()) -> None:
+        unsupported = set(types) - _INTEGER_PARAMS
+        if unsupported:
+            raise InputError(
+                f"kernel parameter types {sorted(map(repr, unsupported))} are not supported; expected one of "
+                f"{', '.join(sorted(t.__name__ for t in _INTEGER_PARAMS))}"
+            )
+        if len(fixed) > len(types):
+            raise InputError(f"fixed: {len(fixed)} values for a kernel of {len(types)} parameters")
+        self._slots = array.array("Q", bytes(8 * len(types)))
+        base = self._slots.buffer_info()[0]
+        self._pointers = array.array("Q", range(base, base + 8 * len(types), 8))
+        self.address = self._pointers.buffer_info()[0] if types else 0
+        self._first_free = len(fixed)
+        for index, value in enumerate(fixed):
+            self._slots[index] = int(value) & _SLOT_MASK
+
+    def fill(self, values: Sequence[int]) -> "KernelParams":
+        """Set every parameter after the fixed ones (ints; negative ones as two's complement); returns self."""
+        if len(values) != len(self._slots) - self._first_free:
+            raise InputError(
+                f"kernel parameters: expected {len(self._slots) - self._first_free} values after the "
+                f"{self._first_free} fixed ones, got {len(values)}"
+            )
+        slots = self._slots
+        for index, value in enumerate(values, self._first_free):
+            slots[index] = value & _SLOT_MASK
+        return self
+
+    def values(self) -> list[int]:
+        """The slots as unsigned 64-bit ints (for tests and error messages)."""
+        return list(self._slots)
 
 
-def _pack_params(args: Sequence[tuple[Any, Any]]) -> Optional[_PackedParams]:
-    """``args`` ((value, ctypes type) pairs) as ``cuLaunchKernel``'s kernelParams (None when empty)."""
-    if not args:
-        return None
-    unsupported = {ctype for _, ctype in args} - _INTEGER_PARAMS
-    if unsupported:
-        raise InputError(
-            f"kernel parameter types {sorted(map(repr, unsupported))} are not supported; expected one of "
-            f"{', '.join(sorted(t.__name__ for t in _INTEGER_PARAMS))}"
-        )
-    return _PackedParams([int(value) & _SLOT_MASK for value, _ in args])
+def _pack_params(args: Sequence[tuple[Any, Any]]) -> KernelParams:
+    """``args`` ((value, ctypes type) pairs) as a filled :class:`KernelParams`."""
+    return KernelParams([ctype for _, ctype in args], [int(value) for value, _ in args])
 
 
 def _dim3(dim: Union[int, tuple[int, ...]], what: str) -> tuple[int, int, int]:

@@ -81,6 +81,12 @@ def _chunks_per_row(row_bytes: int, vectors_per_lane: int) -> int:
     return _cdiv(row_bytes // 16, 32 * vectors_per_lane)
 
 
+def _params(fixed: tuple, per_call: tuple) -> jit.KernelParams:
+    """Reusable launch parameters: ``fixed`` (value, ctypes type) pairs first, then parameters of
+    the ``per_call`` types, set by :meth:`moe_comm.jit.KernelParams.fill` before each launch."""
+    return jit.KernelParams([ctype for _, ctype in fixed] + list(per_call), [value for value, _ in fixed])
+
+
 def kernel_defines(dtype: torch.dtype, hidden: int, topk: int, *, transport_put: bool = False) -> dict:
     """The compile-time defines of both kernel files for rows of ``hidden`` ``dtype`` and top-``topk``.
 
@@ -232,13 +238,19 @@ class DispatchKernels:
         self._block_counts = torch.zeros((self._layout_blocks, num_local_experts), dtype=torch.int32, device=device)
         self._grid_flags = torch.zeros(2 * self._grid, dtype=torch.int64, device=device)
         capacity = 2**31 - 1 if expert_capacity is None else min(int(expert_capacity), 2**31 - 1)
-        self._dispatch_const = prefix + (
-            (layout.meta_offset, _L), (layout.recv_x_offset, _L), (num_experts, _I),
+        chunk_tokens = max(_MIN_CHUNK_TOKENS, _cdiv(args.max_tokens, _MAX_CHUNKS))
+        # Each kernel's parameters: the ones fixed for this backend first, then the per-call ones.
+        self._dispatch_params = _params(
+            prefix + (
+                (layout.meta_offset, _L), (layout.recv_x_offset, _L), (num_experts, _I), (chunk_tokens, _I),
+                (num_local_experts, _I), (expert_alignment, _I), (capacity, _I),
+                (self._block_counts.data_ptr(), _P), (self._grid_flags.data_ptr(), _P), (capacity_rows, _I),
+            ),
+            (_I, _I, _P, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _P),
         )
-        self._chunk_tokens = ((max(_MIN_CHUNK_TOKENS, _cdiv(args.max_tokens, _MAX_CHUNKS)), _I),)
-        self._layout_const = ((num_local_experts, _I), (expert_alignment, _I), (capacity, _I))
-        self._scratch = ((self._block_counts.data_ptr(), _P), (self._grid_flags.data_ptr(), _P))
-        self._redispatch_const = prefix + ((layout.recv_x_offset, _L),)
+        self._redispatch_params = _params(
+            prefix + ((layout.recv_x_offset, _L), (capacity_rows, _I)), (_I, _P, _I, _P, _P, _P)
+        )
 
     def _senders(self, num_tokens: int) -> int:
         """Blocks that push rows: at most ``num_sms``, no more than the tokens' units need."""
@@ -266,52 +278,22 @@ class DispatchKernels:
         # The layout runs on blocks that do not send when there are any (it then overlaps the sends).
         idle = self._grid - senders
         layout_blocks = min(self._layout_blocks, idle) if idle > 0 else self._layout_blocks
-        self._dispatch.launch(
-            self._grid,
-            _DISPATCH_THREADS,
-            self._dispatch_const
-            + ((senders, _I),)
-            + self._chunk_tokens
-            + (
-                (x.data_ptr(), _P),
-                (topk_idx.data_ptr(), _P),
-                (1 if topk_idx.dtype == torch.int64 else 0, _I),
-                (topk_weights.data_ptr(), _P),
-                (num_tokens, _I),
-                (send_mask.data_ptr(), _P),
-                (dest_rank.data_ptr(), _P),
-            )
-            + self._layout_const
-            + (
-                (layout_blocks, _I),
-                (recv_pos.data_ptr(), _P),
-                (recv_weight.data_ptr(), _P),
-                (expert_offsets.data_ptr(), _P),
-                (tokens_per_expert.data_ptr(), _P),
-            )
-            + self._scratch
-            + ((self._capacity_rows, _I), (out_x.data_ptr(), _P)),
-            shared_bytes=self._shared,
-        )
+        params = self._dispatch_params.fill((
+            senders, layout_blocks, x.data_ptr(), topk_idx.data_ptr(), 1 if topk_idx.dtype == torch.int64 else 0,
+            topk_weights.data_ptr(), num_tokens, send_mask.data_ptr(), dest_rank.data_ptr(), recv_pos.data_ptr(),
+            recv_weight.data_ptr(), expert_offsets.data_ptr(), tokens_per_expert.data_ptr(), out_x.data_ptr(),
+        ))
+        self._dispatch.launch(self._grid, _DISPATCH_THREADS, params, shared_bytes=self._shared)
 
     def redispatch(self, x: torch.Tensor, send_mask: torch.Tensor, recv_pos: torch.Tensor, out_x: torch.Tensor) -> None:
         """Rows only, along an existing routing: row ``t`` of ``x [T, H]`` to every rank ``r`` with
         ``send_mask[t, r]``, expanded there into ``out_x [capacity_rows, H]`` along ``recv_pos [W, M, K]``."""
         num_tokens = x.shape[0]
-        self._redispatch.launch(
-            self._grid,
-            _DISPATCH_THREADS,
-            self._redispatch_const
-            + (
-                (self._senders(num_tokens), _I),
-                (x.data_ptr(), _P),
-                (num_tokens, _I),
-                (send_mask.data_ptr(), _P),
-                (recv_pos.data_ptr(), _P),
-                (self._capacity_rows, _I),
-                (out_x.data_ptr(), _P),
-            ),
-        )
+        params = self._redispatch_params.fill((
+            self._senders(num_tokens), x.data_ptr(), num_tokens, send_mask.data_ptr(), recv_pos.data_ptr(),
+            out_x.data_ptr(),
+        ))
+        self._redispatch.launch(self._grid, _DISPATCH_THREADS, params)
 
 
 class CombineKernels:
@@ -347,7 +329,10 @@ class CombineKernels:
         self._grid = device_sms
         prefix = args.prefix()
         rows = args.world_size * args.max_tokens
-        self._combine_const = prefix + ((layout.ret_x_offset, _L), (layout.stage_x_offset, _L))
+        self._combine_params = _params(
+            prefix + ((layout.ret_x_offset, _L), (layout.stage_x_offset, _L), (capacity_rows, _I)),
+            (_P, _P, _P, _I, _P, _I, _P),
+        )
         self._capacity = ((capacity_rows, _I),)
         self._values_send_grid = max(1, min(num_sms, _cdiv(rows * layout.topk, _VALUES_THREADS)))
         self._values_send_const = prefix + ((layout.ret_vals_offset, _L),)
@@ -359,21 +344,11 @@ class CombineKernels:
     ) -> None:
         """One combine: the destination sends one partial row per carried slab row of ``y [capacity_rows, H]``
         to its source; the source writes ``z [T, H]`` = the sum of its tokens' partial rows in rank order."""
-        self._combine.launch(
-            self._grid,
-            _COMBINE_THREADS,
-            self._combine_const
-            + ((y.data_ptr(), _P),)
-            + self._capacity
-            + (
-                (recv_pos.data_ptr(), _P),
-                (recv_weight.data_ptr(), _P),
-                (1 if weighted else 0, _I),
-                (send_mask.data_ptr(), _P),
-                (z.shape[0], _I),
-                (z.data_ptr(), _P),
-            ),
-        )
+        params = self._combine_params.fill((
+            y.data_ptr(), recv_pos.data_ptr(), recv_weight.data_ptr(), 1 if weighted else 0, send_mask.data_ptr(),
+            z.shape[0], z.data_ptr(),
+        ))
+        self._combine.launch(self._grid, _COMBINE_THREADS, params)
 
     def values_send(self, row_vector: torch.Tensor, recv_pos: torch.Tensor) -> None:
         """Destination side: ``row_vector [capacity_rows]`` float32, read per entry, to each entry's source."""

@@ -180,15 +180,27 @@ def test_bad_arguments_name_themselves(nvrtc, cache):
 def test_launch_parameters_are_packed_as_cuLaunchKernel_reads_them():
     """Each value sits in its own 8-byte slot; a 4-byte parameter is read from the slot's low bytes."""
     params = jit._pack_params([(0x7FFF_0000_1234, ctypes.c_void_p), (-3, ctypes.c_int), (2**40, ctypes.c_longlong)])
-    pointers = list(params.pointers)
-    assert pointers == [params.slots.buffer_info()[0] + 8 * i for i in range(3)]
+    pointers = [ctypes.c_uint64.from_address(params.address + 8 * i).value for i in range(3)]
     assert ctypes.c_void_p.from_address(pointers[0]).value == 0x7FFF_0000_1234
     assert ctypes.c_int.from_address(pointers[1]).value == -3
     assert ctypes.c_longlong.from_address(pointers[2]).value == 2**40
-    assert params.address == params.pointers.buffer_info()[0]
-    assert jit._pack_params([]) is None
+    assert jit._pack_params([]).address == 0
     with pytest.raises(InputError, match="c_float"):
         jit._pack_params([(1, ctypes.c_int), (1.0, ctypes.c_float)])
+
+
+def test_kernel_params_keep_fixed_values_and_refill_the_rest():
+    params = jit.KernelParams([ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p], fixed=(0x1000, 7))
+    address = params.address
+    assert params.fill((-1, 0x2000)) is params and params.address == address  # the same slots, refilled
+    assert params.values() == [0x1000, 7, 2**64 - 1, 0x2000]
+    params.fill((5, 0x3000))
+    assert params.values() == [0x1000, 7, 5, 0x3000]
+    assert ctypes.c_int.from_address(ctypes.c_uint64.from_address(address + 16).value).value == 5
+    with pytest.raises(InputError, match="expected 2 values after the 2 fixed ones, got 1"):
+        params.fill((1,))
+    with pytest.raises(InputError, match="fixed: 3 values for a kernel of 2 parameters"):
+        jit.KernelParams([ctypes.c_int, ctypes.c_int], fixed=(1, 2, 3))
 
 
 def test_declared_defines():

@@ -185,8 +185,8 @@ __device__ __forceinline__ void sum_partials(const i64* s_peer, int rank, int wo
 // One block per SM (gridDim.x <= SMs: blocks wait for the arrival the last of them signals).
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) combine(
     const i64* __restrict__ peers, int rank, int world, int max_tokens, u64* state, i64* status, i64 timeout_ns,
-    i64 off_ret_x, i64 off_stage_x, const void* __restrict__ y, int capacity_rows,
-    const i32* __restrict__ recv_pos, const float* __restrict__ recv_weight, int weighted,
+    i64 off_ret_x, i64 off_stage_x, int capacity_rows,
+    const void* __restrict__ y, const i32* __restrict__ recv_pos, const float* __restrict__ recv_weight, int weighted,
     const u8* __restrict__ send_mask, int num_tokens, void* __restrict__ z) {
     __shared__ i64 s_peer[MAX_WORLD];
     __shared__ RowBatch batch;

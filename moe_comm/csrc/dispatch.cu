@@ -631,12 +631,11 @@ __device__ __forceinline__ void zero_padding(const i32* s_end, const i32* s_kept
 // grid_flags [2, gridDim.x] u64 (zero at first) are this kernel's local scratch.
 extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) dispatch(
     const i64* __restrict__ peers, int rank, int world, int max_tokens, u64* state, i64* status, i64 timeout_ns,
-    i64 off_meta, i64 off_recv_x, int num_experts, int num_senders, int chunk_tokens,
-    const void* __restrict__ x, const void* __restrict__ topk_idx, int idx_is_64,
+    i64 off_meta, i64 off_recv_x, int num_experts, int chunk_tokens, int num_local, int alignment, int capacity,
+    i32* block_counts, u64* grid_flags, int capacity_rows,
+    int num_senders, int layout_blocks, const void* __restrict__ x, const void* __restrict__ topk_idx, int idx_is_64,
     const float* __restrict__ topk_weights, int num_tokens, u8* __restrict__ send_mask, i32* __restrict__ dest_rank,
-    int num_local, int alignment, int capacity, int layout_blocks,
-    i32* recv_pos, float* recv_weight, i32* expert_offsets, i32* tokens_per_expert,
-    i32* block_counts, u64* grid_flags, int capacity_rows, void* __restrict__ out_x) {
+    i32* recv_pos, float* recv_weight, i32* expert_offsets, i32* tokens_per_expert, void* __restrict__ out_x) {
     extern __shared__ i32 smem[];
     __shared__ i64 s_peer[MAX_WORLD];
     __shared__ RowBatch batch;
@@ -684,8 +683,8 @@ extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) dispatch(
 // waits and signals as dispatch; rows no kept entry maps to are left as they were.
 extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) redispatch(
     const i64* __restrict__ peers, int rank, int world, int max_tokens, u64* state, i64* status, i64 timeout_ns,
-    i64 off_recv_x, int num_senders, const void* __restrict__ x, int num_tokens, const u8* __restrict__ send_mask,
-    const i32* __restrict__ recv_pos, int capacity_rows, void* __restrict__ out_x) {
+    i64 off_recv_x, int capacity_rows, int num_senders, const void* __restrict__ x, int num_tokens,
+    const u8* __restrict__ send_mask, const i32* __restrict__ recv_pos, void* __restrict__ out_x) {
     __shared__ i64 s_peer[MAX_WORLD];
     __shared__ RowBatch batch;
     const u64 epoch = begin_call(s_peer, peers, world, state, CH_TO_DEST);
