@@ -7,8 +7,12 @@ events (a host clock on CPU), with the inputs rotated over several sets so that 
 flatter. Before each measurement the ranks are aligned: for a graph replay on the GPU (a short
 spin kernel covers the host's enqueueing, then an all_reduce that every GPU leaves at the same
 moment, then the start event), so the time is the replay's, as in a decode loop whose steps keep
-the ranks in lockstep; for an eager call on the host (an all_reduce and a synchronize), so the
-time includes the Python and launch overheads that the call adds. moe_comm is measured eager and
+the ranks in lockstep; for eager calls on the host (an all_reduce and a synchronize), then
+``EAGER_CALLS`` calls are issued back to back between the events and the time is per call: the
+Python and launch work of a call shows wherever it exceeds the GPU's, as in a training or decode
+loop. (A lone call right after a synchronize measures the host waking up instead: on the GPU
+machines one eager dispatch took 150 us of host time there against 40 us back to back.)
+moe_comm is measured eager and
 graph-replayed; the padded baseline graph-replayed; the host-split baseline eager (it synchronises); torch's
 NVSHMEM ``all_to_all_vdev_2d`` baseline graph-replayed, or eager with the reason in the table's
 note if torch refuses to capture it, and listed as unavailable (with the reason) where it cannot
@@ -44,6 +48,8 @@ __all__ = ["BenchOptions", "bench_rank", "write_results", "main"]
 
 # How many input sets the timed loops rotate over.
 NUM_INPUT_SETS = 4
+# Eager calls issued back to back per measurement.
+EAGER_CALLS = 8
 # Experts that the skewed routing favours.
 NUM_HOT_EXPERTS = 8
 # GPU cycles of the spin kernel before an aligning all_reduce (~100 us: longer than the host
@@ -127,8 +133,10 @@ class _Timer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def median_us(self, run: Callable[[], None], prepare: Callable[[int], None], *, replay: bool = False) -> float:
-        """``prepare(i)`` (untimed: e.g. copy input set i into static buffers), then ``run()`` timed.
+    def median_us(self, run: Callable[[], None], prepare: Callable[[int], None], *, replay: bool = False,
+                  calls: int = 1) -> float:
+        """``prepare(i)`` (untimed: e.g. copy input set i into static buffers), then ``calls`` runs of
+        ``run()`` back to back, timed together; returns the median time per run.
 
         ``replay``: ``run`` replays a CUDA graph; the ranks are then aligned on the GPU (see the module
         docstring), else on the host.
@@ -141,16 +149,18 @@ class _Timer:
             if self.device.type == "cuda":
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
-                run()
+                for _ in range(calls):
+                    run()
                 end.record()
                 end.synchronize()
                 elapsed_us = start.elapsed_time(end) * 1e3
             else:
                 began = time.perf_counter()
-                run()
+                for _ in range(calls):
+                    run()
                 elapsed_us = (time.perf_counter() - began) * 1e6
             if i >= self.warmup:
-                samples.append(elapsed_us)
+                samples.append(elapsed_us / calls)
         return statistics.median(samples)
 
 
@@ -192,15 +202,26 @@ class _Workload:
             x = torch.randn(num_tokens, options.hidden, generator=generator).to(dtype)
             self.sets.append((x.to(device), idx.to(device), weights.to(device)))
         self.static = tuple(t.clone() for t in self.sets[0])
+        self._turn = 0
 
     def load(self, i: int) -> None:
+        """Copy input set ``i`` (mod the number of sets) into the static buffers the graphs read."""
         for dst, src in zip(self.static, self.sets[i % NUM_INPUT_SETS]):
             dst.copy_(src)
 
+    def next_set(self) -> tuple:
+        """The next input set in rotation (eager calls take it directly)."""
+        self._turn = (self._turn + 1) % NUM_INPUT_SETS
+        return self.sets[self._turn]
 
-def _moe_comm_step(disp: Dispatcher, work: _Workload) -> torch.Tensor:
-    """Dispatch the static inputs, identity experts, combine: ``z [T, H]``."""
-    out = disp.dispatch(*work.static)
+
+def _no_prepare(i: int) -> None:
+    """Nothing to set up before a measurement (eager calls rotate their inputs themselves)."""
+
+
+def _moe_comm_step(disp: Dispatcher, inputs: tuple) -> torch.Tensor:
+    """Dispatch ``inputs`` (x, topk_idx, topk_weights), identity experts, combine: ``z [T, H]``."""
+    out = disp.dispatch(*inputs)
     return disp.combine(out.x, out.handle)
 
 
@@ -226,23 +247,24 @@ def _measure_moe_comm(options: BenchOptions, work: _Workload, group, num_sms: in
         latest = {"out": out}
 
         def eager_dispatch() -> None:
-            latest["out"] = disp.dispatch(*work.static)
+            latest["out"] = disp.dispatch(*work.next_set())
 
         def eager_combine() -> None:
             disp.combine(latest["out"].x, latest["out"].handle)
 
         result["eager"] = {
-            "dispatch_us": timer.median_us(eager_dispatch, work.load),
-            "combine_us": timer.median_us(eager_combine, lambda i: None),
-            "total_us": timer.median_us(lambda: _moe_comm_step(disp, work), work.load),
+            "dispatch_us": timer.median_us(eager_dispatch, _no_prepare, calls=EAGER_CALLS),
+            "combine_us": timer.median_us(eager_combine, _no_prepare, calls=EAGER_CALLS),
+            "total_us": timer.median_us(lambda: _moe_comm_step(disp, work.next_set()), _no_prepare,
+                                        calls=EAGER_CALLS),
         }
         if graphs and disp.device.type == "cuda":
             graph_d, graph_out = _graph(disp.device, lambda: disp.dispatch(*work.static))
             graph_c, _ = _graph(disp.device, lambda: disp.combine(graph_out.x, graph_out.handle))
-            graph_all, _ = _graph(disp.device, lambda: _moe_comm_step(disp, work))
+            graph_all, _ = _graph(disp.device, lambda: _moe_comm_step(disp, work.static))
             result["graph"] = {
                 "dispatch_us": timer.median_us(graph_d.replay, work.load, replay=True),
-                "combine_us": timer.median_us(graph_c.replay, lambda i: None, replay=True),
+                "combine_us": timer.median_us(graph_c.replay, _no_prepare, replay=True),
                 "total_us": timer.median_us(graph_all.replay, work.load, replay=True),
             }
         disp.check()
@@ -259,10 +281,10 @@ def _measure_baseline(baseline, options: BenchOptions, work: _Workload, device: 
     latest = {"rows": rows}
 
     def dispatch() -> None:
-        latest["rows"] = baseline.dispatch(*work.static)
+        latest["rows"] = baseline.dispatch(*work.next_set())
 
     def step() -> None:
-        baseline.combine(baseline.dispatch(*work.static))
+        baseline.combine(baseline.dispatch(*work.next_set()))
 
     if graphs:
         try:
@@ -280,14 +302,14 @@ def _measure_baseline(baseline, options: BenchOptions, work: _Workload, device: 
             return {**result, **_measure_baseline(baseline, options, work, device, group, graphs=False)}
         result["graph"] = {
             "dispatch_us": timer.median_us(graph_d.replay, work.load, replay=True),
-            "combine_us": timer.median_us(graph_c.replay, lambda i: None, replay=True),
+            "combine_us": timer.median_us(graph_c.replay, _no_prepare, replay=True),
             "total_us": timer.median_us(graph_all.replay, work.load, replay=True),
         }
     else:
         result["eager"] = {
-            "dispatch_us": timer.median_us(dispatch, work.load),
-            "combine_us": timer.median_us(lambda: baseline.combine(latest["rows"]), lambda i: None),
-            "total_us": timer.median_us(step, work.load),
+            "dispatch_us": timer.median_us(dispatch, _no_prepare, calls=EAGER_CALLS),
+            "combine_us": timer.median_us(lambda: baseline.combine(latest["rows"]), _no_prepare, calls=EAGER_CALLS),
+            "total_us": timer.median_us(step, _no_prepare, calls=EAGER_CALLS),
         }
     return result
 
