@@ -127,6 +127,17 @@ __device__ __forceinline__ u32 lanemask_lt() {
     return mask;
 }
 
+// Warp-wide (every lane calls it): the inclusive prefix sum of `value` over lanes 0 .. lane.
+__device__ __forceinline__ int warp_inclusive_sum(int value) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int offset = 1; offset < 32; offset <<= 1) {
+        const int n = __shfl_up_sync(FULL_MASK, value, offset);
+        if (lane >= offset) value += n;
+    }
+    return value;
+}
+
 __device__ __forceinline__ u64 globaltimer_ns() {
     u64 t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));

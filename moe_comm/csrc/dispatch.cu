@@ -342,13 +342,7 @@ __device__ __forceinline__ void layout_entries(i32* smem, i64 base, int rank, in
                 kept = min(s_total[j], capacity);
                 segment = (kept + alignment - 1) / alignment * alignment;
             }
-            int inclusive = segment;
-#pragma unroll
-            for (int offset = 1; offset < 32; offset <<= 1) {
-                const int n = __shfl_up_sync(FULL_MASK, inclusive, offset);
-                if (lane >= offset) inclusive += n;
-            }
-            const int end = carry + inclusive;
+            const int end = carry + warp_inclusive_sum(segment);
             if (j < num_local) {
                 s_start[j] = end - segment;
                 if (block == 0) {
@@ -512,12 +506,7 @@ __device__ __forceinline__ void expand_arrivals(RowBatch& batch, i64 base, int r
                 const int tokens = count > static_cast<u64>(max_tokens) ? max_tokens : static_cast<int>(count);
                 rows = min(max(tokens - (p / others) * chunk_tokens, 0), chunk_tokens);
             }
-            int inclusive = rows;
-#pragma unroll
-            for (int offset = 1; offset < 32; offset <<= 1) {
-                const int n = __shfl_up_sync(FULL_MASK, inclusive, offset);
-                if (lane >= offset) inclusive += n;
-            }
+            const int inclusive = warp_inclusive_sum(rows);
             if (p < pieces) s_piece[p] = carry + inclusive - rows;
             carry += __shfl_sync(FULL_MASK, inclusive, 31);
         }
@@ -583,11 +572,7 @@ __device__ __forceinline__ void load_segments(i32* s_end, i32* s_kept, i32* s_pa
             const int j = j0 + lane;
             int pad = 0;
             if (j < num_local) pad = s_end[j] - (j == 0 ? 0 : s_end[j - 1]) - s_kept[j];
-#pragma unroll
-            for (int offset = 1; offset < 32; offset <<= 1) {
-                const int n = __shfl_up_sync(FULL_MASK, pad, offset);
-                if (lane >= offset) pad += n;
-            }
+            pad = warp_inclusive_sum(pad);
             if (j < num_local) s_pad[j] = carry + pad;
             carry += __shfl_sync(FULL_MASK, pad, 31);
         }
