@@ -94,8 +94,8 @@ __device__ __forceinline__ void send_partials(RowBatch& batch, const i64* s_peer
                 for (int i = 0; i < COMBINE_GROUP; ++i) {
                     const int k = k0 + i;
                     if (k < TOPK && ((kept >> k) & 1u)) {
-                        load_unit_nc<COMBINE_SEND_VPL>(rows + static_cast<i64>(batch.pos[r * TOPK + k]) * ROW_BYTES,
-                                                       vals[i], v0);
+                        const u8* row = rows + static_cast<i64>(batch.pos[r * TOPK + k]) * ROW_BYTES;
+                        load_unit<COMBINE_SEND_VPL, kUserInput>(row, vals[i], v0);
                     }
                 }
 #pragma unroll
@@ -162,8 +162,8 @@ __device__ __forceinline__ void sum_partials(const i64* s_peer, int rank, int wo
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 if (from[i] >= 0) {
-                    load_unit<COMBINE_RECV_VPL>(returned + (static_cast<i64>(from[i]) * max_tokens + t) * ROW_BYTES,
-                                                vals[i], v0);
+                    const u8* row = returned + (static_cast<i64>(from[i]) * max_tokens + t) * ROW_BYTES;
+                    load_unit<COMBINE_RECV_VPL, kWrittenHere>(row, vals[i], v0);
                 }
             }
 #pragma unroll

@@ -391,24 +391,22 @@ __device__ __forceinline__ void remote_stf32(float* dst, float value, int pe) {
     remote_st32(reinterpret_cast<u32*>(dst), __float_as_uint(value), pe);
 }
 
-// One unit of a row: lane `lane` loads vectors v0 + 32 u (u < VPL) of the row at `src` into
-// `vals`. load_unit_nc: read-only input of the whole kernel (user tensors); load_unit: memory
-// peers wrote (after the acquire that synchronised with them) or this kernel's own rows.
-template <int VPL>
-__device__ __forceinline__ void load_unit_nc(const u8* src, Vec16 (&vals)[VPL], int v0) {
-#pragma unroll
-    for (int u = 0; u < VPL; ++u) {
-        const int v = v0 + 32 * u;
-        if (v < ROW_VECS) vals[u] = ld16_nc(src + static_cast<i64>(v) * 16);
-    }
-}
+// Where a row that a kernel loads lives: a user tensor that is read-only for the whole kernel
+// (x, y: the non-coherent path), or memory that peers wrote (read after the acquire that
+// synchronised with them) or that this kernel wrote itself.
+constexpr bool kUserInput = true;
+constexpr bool kWrittenHere = false;
 
-template <int VPL>
+// One unit of a row: lane `lane` loads vectors v0 + 32 u (u < VPL) of the row at `src` into `vals`.
+template <int VPL, bool SOURCE>
 __device__ __forceinline__ void load_unit(const u8* src, Vec16 (&vals)[VPL], int v0) {
 #pragma unroll
     for (int u = 0; u < VPL; ++u) {
         const int v = v0 + 32 * u;
-        if (v < ROW_VECS) vals[u] = ld16(src + static_cast<i64>(v) * 16);
+        if (v < ROW_VECS) {
+            const u8* p = src + static_cast<i64>(v) * 16;
+            vals[u] = SOURCE == kUserInput ? ld16_nc(p) : ld16(p);
+        }
     }
 }
 

@@ -77,7 +77,7 @@ __device__ __forceinline__ void send_token_unit(const i64* s_peer, int rank, int
     const i64 row_offset = off_recv_x + (static_cast<i64>(rank) * max_tokens + t) * ROW_BYTES;
     const int v0 = chunk * Chunks::kVecs + (threadIdx.x & 31);
     Vec16 vals[SEND_VPL];
-    load_unit_nc<SEND_VPL>(static_cast<const u8*>(x) + static_cast<i64>(t) * ROW_BYTES, vals, v0);
+    load_unit<SEND_VPL, kUserInput>(static_cast<const u8*>(x) + static_cast<i64>(t) * ROW_BYTES, vals, v0);
 #if TRANSPORT_PUT
     const u8* staged = reinterpret_cast<const u8*>(s_peer[rank] + row_offset);
     store_unit<SEND_VPL>(const_cast<u8*>(staged), vals, v0);
@@ -457,9 +457,9 @@ __device__ __forceinline__ void copy_listed_rows(const RowBatch& batch, int list
         Vec16 vals[EXPAND_VPL];
         if (g >= own_first && g < own_first + max_tokens) {
             if (g - own_first >= num_tokens) continue;
-            load_unit_nc<EXPAND_VPL>(x + (g - own_first) * ROW_BYTES, vals, v0);
+            load_unit<EXPAND_VPL, kUserInput>(x + (g - own_first) * ROW_BYTES, vals, v0);
         } else {
-            load_unit<EXPAND_VPL>(recv + g * ROW_BYTES, vals, v0);
+            load_unit<EXPAND_VPL, kWrittenHere>(recv + g * ROW_BYTES, vals, v0);
         }
         for (u32 m = kept; m != 0u; m &= m - 1u) {
             const int k = __ffs(static_cast<int>(m)) - 1;
