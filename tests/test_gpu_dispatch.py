@@ -36,6 +36,9 @@ HIDDEN = 2056            # 257 16-byte vectors (bf16): partial last chunk in eve
 MAX_TOKENS = 40
 ALIGN = 4
 SENTINEL_BYTE = 0x7F     # int32 0x7f7f7f7f, float32 3.4e38, bf16 3.4e38: never a legitimate value
+# Enough tokens for 4 chunks of dispatch's rows and of combine's partial rows (256 tokens each,
+# kernels._chunk_tokens), the last one partial.
+CHUNKED_MAX_TOKENS = 3 * 256 + 40
 
 
 def _config(backend: str, dtype: str, **overrides):
@@ -153,7 +156,7 @@ def _eager_step(dev, ref, rank, world, x, idx, weights, generator, tag) -> None:
     device = dev.device
     dtype = x.dtype
     num_tokens = x.shape[0]
-    slab = (world, MAX_TOKENS, TOPK)
+    slab = (world, dev.config.max_tokens_per_rank, TOPK)
     _poison_allocator([((num_tokens, world), torch.bool), ((num_tokens, TOPK), torch.int32), (slab, torch.int32),
                        (slab, torch.float32), ((dev.capacity_rows, HIDDEN), dtype)], device)
     out = dev.dispatch(x.to(device), idx.to(device), weights.to(device))
@@ -268,6 +271,18 @@ def _capacity_scenarios(rank, world, gloo, backend: str, section: dict) -> None:
         _eager_scenarios(dev, ref, rank, world, torch.float32, generator, ("random", "one_expert", "one_rank"))
 
 
+def _chunked_scenarios(rank, world, gloo, backend: str, section: dict) -> None:
+    """Rows and partial rows in several chunks: every chunk carrying tokens (the last one partial,
+    T < max_tokens_per_rank on all ranks but 0), then T ending inside the second chunk."""
+    generator = torch.Generator().manual_seed(700 + rank)
+    chunked = dict(max_tokens_per_rank=CHUNKED_MAX_TOKENS)
+    with moe_comm.Dispatcher(_config(backend, "bfloat16", **chunked, **section)) as dev, \
+            moe_comm.Dispatcher(_config("reference", "bfloat16", **chunked), group=gloo) as ref:
+        for num_tokens in (CHUNKED_MAX_TOKENS - 3 * rank, 300 - rank):
+            x, idx, weights = _inputs("random", num_tokens, world, torch.bfloat16, generator)
+            _eager_step(dev, ref, rank, world, x, idx, weights, generator, f"chunked, T={num_tokens} (rank {rank})")
+
+
 def _timeout_scenario(rank, world, gloo) -> None:
     """A peer that never dispatches is reported (phase and peer) instead of hanging the device."""
     dist.barrier(group=gloo)
@@ -294,6 +309,7 @@ def _rank_main(rank: int, world: int, backend_id: str) -> None:
                              ("random", "minus_one", "one_expert", "one_rank", "empty", "empty_rank", "invalid"))
             _graph_scenarios(dev, ref, rank, world, dtype, generator)
     _capacity_scenarios(rank, world, gloo, backend, section)
+    _chunked_scenarios(rank, world, gloo, backend, section)
     if world == 2 and backend_id == "vmm":
         _timeout_scenario(rank, world, gloo)
 
