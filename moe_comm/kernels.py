@@ -55,7 +55,7 @@ _ALIGN = 256
 # (csrc SEND_VPL: a mismatch only changes how many blocks send, never a result).
 _DISPATCH_THREADS = 512
 _SEND_VPL = 8
-_COMBINE_THREADS = 768
+_COMBINE_THREADS = 512
 _VALUES_THREADS = 512
 _LAYOUT_ROWS_PER_BLOCK = 256
 # Dynamic shared memory the layout phase may use (H100/H200 allow 227 KiB per block).

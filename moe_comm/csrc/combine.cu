@@ -33,12 +33,10 @@
 
 #include "common.cuh"
 
-// 24 warps: more warps than 16 hide more of the send phase's load and store latency (T=4096
-// combine 280-287 us against 298-310 on 2x H200); 768 threads leave 80 registers each, no spills.
-#define COMBINE_THREADS 768
+#define COMBINE_THREADS 512
 #define COMBINE_SEND_VPL 1   // vectors per lane per unit
 #define COMBINE_GROUP 8      // entries whose vectors are loaded at once (one round trip for top-8)
-#define COMBINE_RECV_VPL 2
+#define COMBINE_RECV_VPL 4
 #define VALUES_THREADS 512
 
 template <int VPL>
