@@ -229,7 +229,6 @@ class DispatchKernels:
         self._grid = device_sms
         self._num_sms = min(num_sms, device_sms)
         self._send_chunks = _chunks_per_row(layout.row_bytes, _SEND_VPL)
-        self._capacity_rows = capacity_rows
         prefix = args.prefix()
 
         # About _LAYOUT_ROWS_PER_BLOCK slab rows per layout block; the layout blocks publish their
