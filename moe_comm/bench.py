@@ -12,12 +12,11 @@ the ranks in lockstep; for eager calls on the host (an all_reduce and a synchron
 Python and launch work of a call shows wherever it exceeds the GPU's, as in a training or decode
 loop. (A lone call right after a synchronize measures the host waking up instead: on the GPU
 machines one eager dispatch took 150 us of host time there against 40 us back to back.)
-moe_comm is measured eager and
-graph-replayed; the padded baseline graph-replayed; the host-split baseline eager (it synchronises); torch's
-NVSHMEM ``all_to_all_vdev_2d`` baseline graph-replayed, or eager with the reason in the table's
-note if torch refuses to capture it, and listed as unavailable (with the reason) where it cannot
-run: no GPU or NVSHMEM, or this process already uses another symmetric-memory provider (moe_comm's
-``nccl`` symmetric transport). Every system's combine result is checked once per workload against
+moe_comm is measured eager and graph-replayed; the padded baseline graph-replayed; the
+host-split baseline eager (it synchronises); torch's NVSHMEM ``all_to_all_vdev_2d`` baseline
+graph-replayed, or eager with the reason in the table's note if torch refuses to capture it,
+and listed as unavailable (with the reason) where it cannot run: no GPU or NVSHMEM, or this
+process already uses another symmetric-memory provider (moe_comm's ``nccl`` symmetric transport). Every system's combine result is checked once per workload against
 the expected ``sum_k w_k x_t``.
 
 Bandwidth is reported two ways: bytes that cross the link (rows sent to other ranks) and bytes
