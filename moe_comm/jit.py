@@ -548,13 +548,14 @@ class KernelParams:
 
     Args:
         types: the ctypes type of every parameter, in order (``c_int``, ``c_uint``, ``c_longlong``,
-            ``c_ulonglong``, ``c_void_p``). fixed: the values of the leading parameters.
+            ``c_ulonglong``, ``c_void_p``), kept as ``self.types``. fixed: the values of the
+            leading parameters.
 
     Raises:
         InputError: a type is not one of those, or more fixed values than parameters.
     """
 
-    __slots__ = ("_slots", "_pointers", "_first_free", "address")
+    __slots__ = ("_slots", "_pointers", "_first_free", "address", "types")
 
     def __init__(self, types: Sequence[Any], fixed: Sequence[int] = ()) -> None:
         unsupported = set(types) - _INTEGER_PARAMS
@@ -570,6 +571,7 @@ class KernelParams:
         self._pointers = array.array("Q", range(base, base + 8 * len(types), 8))
         self.address = self._pointers.buffer_info()[0] if types else 0
         self._first_free = len(fixed)
+        self.types = tuple(types)
         for index, value in enumerate(fixed):
             self._slots[index] = int(value) & _SLOT_MASK
 

@@ -1,0 +1,95 @@
+"""The kernel launchers pass what the CUDA signatures declare (CPU: fake launches, source text).
+
+A parameter in the wrong place or of the wrong size is read as garbage by the kernel, so every
+launcher of ``moe_comm.kernels`` is run against a recording fake and its parameter list is
+compared, in order, with the ``extern "C"`` signature in ``moe_comm/csrc``: pointer or integer,
+and size. (Two parameters of the same kind and size in each other's places are beyond this
+check; the GPU suite compares every result with the reference.)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+from importlib import resources
+
+import torch
+
+from moe_comm import jit, kernels
+
+WORLD, MAX_TOKENS, TOPK, HIDDEN, EXPERTS = 2, 8, 3, 64, 8
+_POINTER, _INTEGER = "pointer", "integer"
+_CTYPE_KINDS = {
+    ctypes.c_void_p: (_POINTER, 8), ctypes.c_longlong: (_INTEGER, 8), ctypes.c_ulonglong: (_INTEGER, 8),
+    ctypes.c_int: (_INTEGER, 4), ctypes.c_uint: (_INTEGER, 4),
+}
+_CUDA_INTEGER_SIZES = {"int": 4, "i32": 4, "u32": 4, "i64": 8, "u64": 8}
+
+
+def _signature(source: str, entry: str) -> list[tuple[str, int]]:
+    """(kind, bytes) of every parameter of ``extern "C"`` kernel ``entry`` in ``source``."""
+    match = re.search(r'extern "C" __global__ void (?:__launch_bounds__\(\w+\) )?' + entry + r"\(([^)]*)\)", source)
+    assert match, f"no extern \"C\" kernel {entry}"
+    kinds = []
+    for parameter in match.group(1).split(","):
+        words = parameter.replace("*", " * ").split()
+        if "*" in words:
+            kinds.append((_POINTER, 8))
+        else:
+            kinds.append((_INTEGER, _CUDA_INTEGER_SIZES[words[0]]))
+    return kinds
+
+
+class _Recorder:
+    """Stands in for a loaded kernel: records the parameter types of every launch."""
+
+    def __init__(self, name: str, entry: str):
+        self.name, self.entry, self.launches = name, entry, []
+
+    def launch(self, grid, block, args, shared_bytes=0, stream=None):
+        params = args if isinstance(args, jit.KernelParams) else jit._pack_params(args)
+        self.launches.append([_CTYPE_KINDS[t] for t in params.types])
+
+
+def test_launchers_pass_the_parameters_the_kernels_declare(monkeypatch):
+    recorders = {}
+
+    def load(device, name, entry, defines={}, **_):
+        return recorders.setdefault((name, entry), _Recorder(name, entry))
+
+    monkeypatch.setattr(jit, "load_function", load)
+    cpu = torch.device("cpu")
+    defines = kernels.kernel_defines(torch.bfloat16, HIDDEN, TOPK)
+    args = kernels.CommArgs(peers_ptr=0x1000, rank=0, world_size=WORLD, max_tokens=MAX_TOKENS, state_ptr=0x2000,
+                            status_ptr=0x3000, timeout_ns=10**9)
+    layout = kernels.SymmetricLayout.plan(WORLD, MAX_TOKENS, TOPK, HIDDEN * 2)
+    local = EXPERTS // WORLD
+    capacity_rows = 64
+    dispatch = kernels.DispatchKernels(cpu, defines, args, layout, num_experts=EXPERTS, num_local_experts=local,
+                                       expert_alignment=4, expert_capacity=None, capacity_rows=capacity_rows,
+                                       num_sms=4, device_sms=8)
+    combine = kernels.CombineKernels(cpu, defines, args, layout, capacity_rows=capacity_rows, num_sms=4, device_sms=8)
+
+    tokens = 5
+    x = torch.zeros(tokens, HIDDEN, dtype=torch.bfloat16)
+    idx = torch.zeros(tokens, TOPK, dtype=torch.int64)
+    weights = torch.zeros(tokens, TOPK)
+    send_mask = torch.zeros(tokens, WORLD, dtype=torch.bool)
+    dest_rank = torch.zeros(tokens, TOPK, dtype=torch.int32)
+    recv_pos = torch.zeros(WORLD, MAX_TOKENS, TOPK, dtype=torch.int32)
+    recv_weight = torch.zeros(WORLD, MAX_TOKENS, TOPK)
+    counts = torch.zeros(local, dtype=torch.int32)
+    rows = torch.zeros(capacity_rows, HIDDEN, dtype=torch.bfloat16)
+    dispatch.dispatch(x, idx, weights, send_mask, dest_rank, recv_pos, recv_weight, counts, counts, rows)
+    dispatch.redispatch(x, send_mask, recv_pos, rows)
+    combine.combine(rows, recv_pos, recv_weight, True, send_mask, x)
+    combine.values_send(torch.zeros(capacity_rows), recv_pos)
+    combine.values_recv(dest_rank, weights)
+
+    sources = {name: resources.files("moe_comm").joinpath("csrc", f"{name}.cu").read_text()
+               for name in ("dispatch", "combine")}
+    launched = {key: recorder.launches for key, recorder in recorders.items() if recorder.launches}
+    assert sorted(launched) == [("combine", "combine"), ("combine", "values_recv"), ("combine", "values_send"),
+                                ("dispatch", "dispatch"), ("dispatch", "redispatch")]
+    for (name, entry), launches in launched.items():
+        assert launches == [_signature(sources[name], entry)], f"{name}.{entry}: launch parameters differ from csrc"
