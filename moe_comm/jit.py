@@ -61,6 +61,7 @@ from .errors import BackendError, CompileError, InputError
 __all__ = [
     "CACHE_SCHEMA_VERSION",
     "KernelFunction",
+    "KernelParams",
     "Toolchain",
     "arch_of",
     "cache_dir",
@@ -69,6 +70,7 @@ __all__ = [
     "cu_check",
     "cuda_driver",
     "device_context",
+    "kernel_params",
     "load_function",
     "nvrtc_version",
 ]
@@ -506,7 +508,7 @@ class KernelFunction:
         # NOTE: torch.cuda.current_stream(i).cuda_stream costs 1.5 us of host time per call on the
         # GPU machines; the raw-stream getter (what torch's own generated code calls) is much cheaper.
         handle = stream.cuda_stream if stream is not None else self._raw_stream(self._index)
-        params = args if type(args) is KernelParams else _pack_params(args)
+        params = args if type(args) is KernelParams else kernel_params(args)
         # The launch acts on the thread's current context: a thread that never touched CUDA has
         # none (CUDA_ERROR_INVALID_CONTEXT) and one whose current device is another GPU has the
         # wrong one (CUDA_ERROR_INVALID_HANDLE). Checking costs 0.15 us; fixing it only when needed.
@@ -592,9 +594,10 @@ class KernelParams:
         return list(self._slots)
 
 
-def _pack_params(args: Sequence[tuple[Any, Any]]) -> KernelParams:
-    """``args`` ((value, ctypes type) pairs) as a filled :class:`KernelParams`."""
-    return KernelParams([ctype for _, ctype in args], [int(value) for value, _ in args])
+def kernel_params(fixed: Sequence[tuple[Any, Any]], per_call: Sequence[Any] = ()) -> KernelParams:
+    """:class:`KernelParams` whose leading parameters are the ``fixed`` (value, ctypes type) pairs,
+    followed by parameters of the ``per_call`` types, which :meth:`KernelParams.fill` sets."""
+    return KernelParams([ctype for _, ctype in fixed] + list(per_call), [int(value) for value, _ in fixed])
 
 
 def _dim3(dim: Union[int, tuple[int, ...]], what: str) -> tuple[int, int, int]:

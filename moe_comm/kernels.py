@@ -5,7 +5,8 @@
 one launch per dispatch, redispatch or combine. The protocol each kernel follows is stated at
 the top of its ``.cu`` file. Both classes load every entry point in their
 constructor (compiling it through :mod:`moe_comm.jit` when it is not cached), so a launcher
-never compiles or loads anything: it builds an argument tuple and calls ``cuLaunchKernel`` on
+never compiles or loads anything: it fills the per-call parameters of its kernel's
+:class:`moe_comm.jit.KernelParams` (the fixed ones were set once) and calls ``cuLaunchKernel`` on
 torch's current stream, which works eagerly and under CUDA-graph capture alike.
 
 This module also holds what the Python side and the kernels must agree on, mirrored in
@@ -79,12 +80,6 @@ def _cdiv(a: int, b: int) -> int:
 def _chunks_per_row(row_bytes: int, vectors_per_lane: int) -> int:
     """csrc RowChunks<VPL>::kPerRow: warps that share one row."""
     return _cdiv(row_bytes // 16, 32 * vectors_per_lane)
-
-
-def _params(fixed: tuple, per_call: tuple) -> jit.KernelParams:
-    """Reusable launch parameters: ``fixed`` (value, ctypes type) pairs first, then parameters of
-    the ``per_call`` types, set by :meth:`moe_comm.jit.KernelParams.fill` before each launch."""
-    return jit.KernelParams([ctype for _, ctype in fixed] + list(per_call), [value for value, _ in fixed])
 
 
 def kernel_defines(dtype: torch.dtype, hidden: int, topk: int, *, transport_put: bool = False) -> dict:
@@ -239,7 +234,7 @@ class DispatchKernels:
         capacity = 2**31 - 1 if expert_capacity is None else min(int(expert_capacity), 2**31 - 1)
         chunk_tokens = max(_MIN_CHUNK_TOKENS, _cdiv(args.max_tokens, _MAX_CHUNKS))
         # Each kernel's parameters: the ones fixed for this backend first, then the per-call ones.
-        self._dispatch_params = _params(
+        self._dispatch_params = jit.kernel_params(
             prefix + (
                 (layout.meta_offset, _L), (layout.recv_x_offset, _L), (num_experts, _I), (chunk_tokens, _I),
                 (num_local_experts, _I), (expert_alignment, _I), (capacity, _I),
@@ -247,7 +242,7 @@ class DispatchKernels:
             ),
             (_I, _I, _P, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _P),
         )
-        self._redispatch_params = _params(
+        self._redispatch_params = jit.kernel_params(
             prefix + ((layout.recv_x_offset, _L), (capacity_rows, _I)), (_I, _P, _I, _P, _P, _P)
         )
 
@@ -328,7 +323,7 @@ class CombineKernels:
         self._grid = device_sms
         prefix = args.prefix()
         rows = args.world_size * args.max_tokens
-        self._combine_params = _params(
+        self._combine_params = jit.kernel_params(
             prefix + ((layout.ret_x_offset, _L), (layout.stage_x_offset, _L), (capacity_rows, _I)),
             (_P, _P, _P, _I, _P, _I, _P),
         )

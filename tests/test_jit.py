@@ -179,14 +179,14 @@ def test_bad_arguments_name_themselves(nvrtc, cache):
 
 def test_launch_parameters_are_packed_as_cuLaunchKernel_reads_them():
     """Each value sits in its own 8-byte slot; a 4-byte parameter is read from the slot's low bytes."""
-    params = jit._pack_params([(0x7FFF_0000_1234, ctypes.c_void_p), (-3, ctypes.c_int), (2**40, ctypes.c_longlong)])
+    params = jit.kernel_params([(0x7FFF_0000_1234, ctypes.c_void_p), (-3, ctypes.c_int), (2**40, ctypes.c_longlong)])
     pointers = [ctypes.c_uint64.from_address(params.address + 8 * i).value for i in range(3)]
     assert ctypes.c_void_p.from_address(pointers[0]).value == 0x7FFF_0000_1234
     assert ctypes.c_int.from_address(pointers[1]).value == -3
     assert ctypes.c_longlong.from_address(pointers[2]).value == 2**40
-    assert jit._pack_params([]).address == 0
+    assert jit.kernel_params([]).address == 0
     with pytest.raises(InputError, match="c_float"):
-        jit._pack_params([(1, ctypes.c_int), (1.0, ctypes.c_float)])
+        jit.kernel_params([(1, ctypes.c_int), (1.0, ctypes.c_float)])
 
 
 def test_kernel_params_keep_fixed_values_and_refill_the_rest():

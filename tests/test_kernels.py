@@ -47,7 +47,7 @@ class _Recorder:
         self.name, self.entry, self.launches = name, entry, []
 
     def launch(self, grid, block, args, shared_bytes=0, stream=None):
-        params = args if isinstance(args, jit.KernelParams) else jit._pack_params(args)
+        params = args if isinstance(args, jit.KernelParams) else jit.kernel_params(args)
         self.launches.append([_CTYPE_KINDS[t] for t in params.types])
 
 
