@@ -8,14 +8,16 @@
 // them must be resident at once). Blocks [0, num_senders) send (num_senders: the SM budget of
 // pushing rows); the blocks after them, when there are any, form the "early group", which lays out
 // and expands what it can while the rows are still in flight. Phases, on rank R:
-//   send metadata (senders, one warp per token): every sender block first waits until
-//     ack[0][r] >= e - 1 in R's own flags for every rank r (r has finished reading what R sent it
-//     at the previous epoch: a rank that runs ahead never overwrites a slab still being read).
+//   send metadata (blocks [0, meta_blocks), one warp per token; meta_blocks = min(grid, ceil(T /
+//     warps per block)): the layout waits for all of it, so it is spread over the whole grid, not
+//     only over the senders. These blocks and the senders first wait until ack[0][r] >= e - 1 in
+//     R's own flags for every rank r (r has finished reading what R sent it at the previous
+//     epoch: a rank that runs ahead never overwrites a slab still being read).
 //     Then for each token t < T, recv_meta[R][t] of EVERY rank r gets t's metadata row: the local
 //     expert ids of the assignments living on r (-1 elsewhere) and the K router weights (every
 //     rank gets the row, so a stale row of an earlier call is never read as live); send_mask
 //     [T, W] and dest_rank [T, K] (local outputs) are written and invalid expert ids are counted
-//     into the status word (count + smallest (R << 32 | t)). The last sender block done writes
+//     into the status word (count + smallest (R << 32 | t)). The last of these blocks done writes
 //     count[0][R] = T and release-stores meta[0][R] = e into every rank's flags.
 //   send rows (senders, one warp per (token, row part), one unit per warp per round): recv_x[R][t]
 //     of every OTHER rank t is sent to gets the x row, once per rank (16-byte stores); R's own
@@ -122,10 +124,10 @@ __device__ __forceinline__ TokenRoute route_token(const void* topk_idx, int idx_
     return route;
 }
 
-// Block-wide, blocks [0, num_senders), one warp per token: the metadata row of every token t < T
+// Block-wide, blocks [0, meta_blocks), one warp per token: the metadata row of every token t < T
 // into recv_meta[R][t] of every rank, send_mask and dest_rank, and the invalid expert ids.
 __device__ __forceinline__ void send_metadata(const i64* s_peer, int rank, int world, int max_tokens, i64* status,
-                                              i64 off_meta, int num_experts, int num_senders, const void* topk_idx,
+                                              i64 off_meta, int num_experts, int meta_blocks, const void* topk_idx,
                                               int idx_is_64, const float* topk_weights, int num_tokens,
                                               u8* send_mask, i32* dest_rank) {
     const int lane = threadIdx.x & 31;
@@ -133,7 +135,7 @@ __device__ __forceinline__ void send_metadata(const i64* s_peer, int rank, int w
     const int local_experts = num_experts / world;
     i64 num_invalid = 0;
     i64 first_invalid = NO_OFFENDER;
-    for (int t = blockIdx.x * warps + (threadIdx.x >> 5); t < num_tokens; t += num_senders * warps) {
+    for (int t = blockIdx.x * warps + (threadIdx.x >> 5); t < num_tokens; t += meta_blocks * warps) {
         const TokenRoute route = route_token(topk_idx, idx_is_64, t, num_experts, local_experts);
         const u32 invalid = __ballot_sync(FULL_MASK, lane < TOPK && route.expert != -1 && route.dest < 0);
         if (invalid != 0u) {
@@ -633,14 +635,22 @@ extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) dispatch(
     u8* out = static_cast<u8*>(out_x);
     const u8* recv = reinterpret_cast<const u8*>(s_peer[rank] + off_recv_x);
 
-    if (block < num_senders) {
+    // Metadata on as many blocks as have a token for each warp (all of them from T = 16 * SMs on):
+    // the layout waits for all of it, and the rows wait behind it.
+    const int warps = blockDim.x >> 5;
+    const int meta_blocks = num_tokens > grid * warps ? grid : max(1, (num_tokens + warps - 1) / warps);
+    if (block < meta_blocks || block < num_senders) {
         block_wait_flags(s_peer[rank], world, CH_TO_DEST, FLAG_ACK, epoch - 1, status, TIMEOUT_TO_DEST_ACK,
                          timeout_ns);
-        send_metadata(s_peer, rank, world, max_tokens, status, off_meta, num_experts, num_senders, topk_idx,
+    }
+    if (block < meta_blocks) {
+        send_metadata(s_peer, rank, world, max_tokens, status, off_meta, num_experts, meta_blocks, topk_idx,
                       idx_is_64, topk_weights, num_tokens, send_mask, dest_rank);
-        if (last_block_done(state + STATE_DONE + SLOT_DISPATCH_META, num_senders)) {
+        if (last_block_done(state + STATE_DONE + SLOT_DISPATCH_META, meta_blocks)) {
             signal_every_rank(s_peer, rank, world, CH_TO_DEST, FLAG_META, epoch, true, static_cast<u64>(num_tokens));
         }
+    }
+    if (block < num_senders) {
         send_token_rows(state, s_peer, rank, world, max_tokens, epoch, off_recv_x, num_experts, num_senders,
                         chunk_tokens, x, topk_idx, idx_is_64, num_tokens);
     }
