@@ -8,9 +8,9 @@
 // them must be resident at once). Blocks [0, num_senders) send (num_senders: the SM budget of
 // pushing rows); the blocks after them, when there are any, form the "early group", which lays out
 // and expands what it can while the rows are still in flight. Phases, on rank R:
-//   send metadata (blocks [0, meta_blocks), one warp per token; meta_blocks = min(grid, ceil(T /
-//     warps per block)): the layout waits for all of it, so it is spread over the whole grid, not
-//     only over the senders. These blocks and the senders first wait until ack[0][r] >= e - 1 in
+//   send metadata (blocks [0, meta_blocks), one warp per token; meta_blocks = the larger of
+//     num_senders and min(grid, ceil(T / warps per block)): the layout waits for all of it, so at
+//     large T it is spread over the whole grid). These blocks first wait until ack[0][r] >= e - 1 in
 //     R's own flags for every rank r (r has finished reading what R sent it at the previous
 //     epoch: a rank that runs ahead never overwrites a slab still being read).
 //     Then for each token t < T, recv_meta[R][t] of EVERY rank r gets t's metadata row: the local
@@ -635,11 +635,11 @@ extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) dispatch(
     u8* out = static_cast<u8*>(out_x);
     const u8* recv = reinterpret_cast<const u8*>(s_peer[rank] + off_recv_x);
 
-    // Metadata on as many blocks as have a token for each warp (all of them from T = 16 * SMs on):
-    // the layout waits for all of it, and the rows wait behind it.
+    // Metadata on the senders (before their rows: at decode sizes rows sent alongside delay the
+    // metadata, which the layout waits for), and on more blocks when they have a token per warp.
     const int warps = blockDim.x >> 5;
-    const int meta_blocks = num_tokens > grid * warps ? grid : max(1, (num_tokens + warps - 1) / warps);
-    if (block < meta_blocks || block < num_senders) {
+    const int meta_blocks = max(max(num_senders, 1), min(grid, (num_tokens + warps - 1) / warps));
+    if (block < meta_blocks) {
         block_wait_flags(s_peer[rank], world, CH_TO_DEST, FLAG_ACK, epoch - 1, status, TIMEOUT_TO_DEST_ACK,
                          timeout_ns);
     }
