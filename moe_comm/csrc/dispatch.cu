@@ -10,9 +10,9 @@
 // and expands what it can while the rows are still in flight. Phases, on rank R:
 //   send metadata (blocks [0, meta_blocks), one warp per token; meta_blocks = the larger of
 //     num_senders and min(grid, ceil(T / warps per block)): the layout waits for all of it, so at
-//     large T it is spread over the whole grid). These blocks first wait until ack[0][r] >= e - 1 in
-//     R's own flags for every rank r (r has finished reading what R sent it at the previous
-//     epoch: a rank that runs ahead never overwrites a slab still being read).
+//     large T it is spread over the whole grid). These blocks first wait until
+//     ack[0][r] >= e - 1 in R's own flags for every rank r (r has finished reading what R sent it
+//     at the previous epoch: a rank that runs ahead never overwrites a slab still being read).
 //     Then for each token t < T, recv_meta[R][t] of EVERY rank r gets t's metadata row: the local
 //     expert ids of the assignments living on r (-1 elsewhere) and the K router weights (every
 //     rank gets the row, so a stale row of an earlier call is never read as live); send_mask
@@ -642,8 +642,6 @@ extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) dispatch(
     if (block < meta_blocks) {
         block_wait_flags(s_peer[rank], world, CH_TO_DEST, FLAG_ACK, epoch - 1, status, TIMEOUT_TO_DEST_ACK,
                          timeout_ns);
-    }
-    if (block < meta_blocks) {
         send_metadata(s_peer, rank, world, max_tokens, status, off_meta, num_experts, meta_blocks, topk_idx,
                       idx_is_64, topk_weights, num_tokens, send_mask, dest_rank);
         if (last_block_done(state + STATE_DONE + SLOT_DISPATCH_META, meta_blocks)) {
