@@ -2,8 +2,9 @@
 
 ``GPU_BACKENDS`` maps a test id to ``(backend name, config section overrides)``. Ranks get
 ``cuda:(rank % GPUs present)``. ``vmm`` maps memory between processes itself, so it also runs
-several ranks per GPU (time-sliced, on a gloo default group); torch's NVSHMEM and NCCL symmetric
-memory and NCCL collectives need one rank per GPU (NCCL refuses two ranks on one device).
+several ranks per GPU, a single GPU included (the ranks' kernels are time-sliced, on a gloo
+default group): a one-GPU machine still checks the cross-rank protocol. torch's NVSHMEM and NCCL
+symmetric memory and NCCL collectives need one rank per GPU (NCCL refuses two ranks on one device).
 """
 
 from __future__ import annotations
@@ -24,6 +25,6 @@ def dist_backend_for(backend_id: str, world: int, gpus_present: int) -> Optional
     GPUs present cannot hold them (the test then skips, naming what it needs)."""
     if gpus_present >= world:
         return "nccl"
-    if backend_id == "vmm" and gpus_present >= 2:
+    if backend_id == "vmm" and gpus_present >= 1:
         return "gloo"
     return None

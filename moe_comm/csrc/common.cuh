@@ -138,6 +138,33 @@ __device__ __forceinline__ int warp_inclusive_sum(int value) {
     return value;
 }
 
+// Block-wide (every thread calls it; blockDim.x a multiple of 32, at most 1024): the inclusive
+// prefix sums of value(j) over j = 0 .. n - 1, thread j % blockDim.x taking j. emit(j, value,
+// inclusive) is called once per j; what it stores in shared memory is visible to every thread on
+// return. Returns the sum of all n values. All warps scan at once: a chain of one warp over n
+// values costs a dependent shuffle round per 32 of them, microseconds on the layout's path.
+template <typename Value, typename Emit>
+__device__ __forceinline__ int block_inclusive_scan(int n, Value value, Emit emit) {
+    __shared__ int s_warp_sums[32];
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int warps = blockDim.x >> 5;
+    int carry = 0;  // the values of the earlier rounds
+    for (int j0 = 0; j0 < n; j0 += blockDim.x) {
+        const int j = j0 + threadIdx.x;
+        const int v = j < n ? value(j) : 0;
+        const int in_warp = warp_inclusive_sum(v);
+        if (lane == 31) s_warp_sums[warp] = in_warp;
+        __syncthreads();
+        const int warp_sums = warp_inclusive_sum(lane < warps ? s_warp_sums[lane] : 0);
+        const int before = warp == 0 ? 0 : __shfl_sync(FULL_MASK, warp_sums, warp - 1);
+        if (j < n) emit(j, v, carry + before + in_warp);
+        carry += __shfl_sync(FULL_MASK, warp_sums, 31);
+        __syncthreads();  // s_warp_sums is rewritten next round; emitted values are visible
+    }
+    return carry;
+}
+
 __device__ __forceinline__ u64 globaltimer_ns() {
     u64 t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));

@@ -225,6 +225,39 @@ __device__ __forceinline__ i64 slab_row_of(const i64* begin, int world, int max_
     return static_cast<i64>(lo) * max_tokens + (v - begin[lo]);
 }
 
+// The entries of LAYOUT_BATCH consecutive tiles of a warp, one lane per entry (k) of a row.
+struct TileBatch {
+    int ids[LAYOUT_BATCH];         // local expert id, -1 if none or invalid
+    float weights[LAYOUT_BATCH];   // router weight (loaded only when asked for)
+    i64 rows[LAYOUT_BATCH];        // slab row g = s * M + t, -1 if the lane has no entry
+};
+
+// Warp-wide: tiles [tile0, min(tile0 + LAYOUT_BATCH, tile_end)) of the virtual rows v <
+// total_rows (tile i holds rows [i * rows_per_tile, (i + 1) * rows_per_tile)) from the metadata
+// slabs `meta` [W * M, META_WORDS]; all of the batch's loads are issued before any is used.
+__device__ __forceinline__ void load_tile_batch(TileBatch& batch, const u32* meta, const i64* begin, int world,
+                                                int max_tokens, int num_local, i64 tile0, i64 tile_end,
+                                                i64 total_rows, bool with_weights) {
+    const int rows_per_tile = 32 / TOPK;
+    const int lane = threadIdx.x & 31;
+    const int tile_row = lane / TOPK;
+    const int k = lane - tile_row * TOPK;
+#pragma unroll
+    for (int b = 0; b < LAYOUT_BATCH; ++b) {
+        batch.ids[b] = -1;
+        batch.weights[b] = 0.0f;
+        batch.rows[b] = -1;
+        const i64 v = (tile0 + b) * rows_per_tile + tile_row;
+        if (tile_row < rows_per_tile && tile0 + b < tile_end && v < total_rows) {
+            const i64 g = slab_row_of(begin, world, max_tokens, v);
+            const int j = static_cast<int>(meta[g * META_WORDS + k]);
+            batch.ids[b] = j >= 0 && j < num_local ? j : -1;
+            if (with_weights) batch.weights[b] = __uint_as_float(meta[g * META_WORDS + TOPK + k]);
+            batch.rows[b] = g;
+        }
+    }
+}
+
 // Block-wide, on `blocks` blocks (this one is number `block` of them), after every source's
 // metadata was acquired: the layout (see the top of this file). smem: (warps + 3) * num_local
 // int32 of dynamic shared memory (per-warp counts, block totals, earlier blocks' counts, segment
@@ -267,7 +300,6 @@ __device__ __forceinline__ void layout_entries(i32* smem, i64 base, int rank, in
     const int rows_per_tile = 32 / TOPK;
     const int tile_row = lane / TOPK;
     const int k = lane - tile_row * TOPK;
-    const bool lane_used = tile_row < rows_per_tile;
     const i64 total_rows = s_begin[world];
     const i64 num_tiles = (total_rows + rows_per_tile - 1) / rows_per_tile;
     const i64 per_block = (num_tiles + blocks - 1) / blocks;
@@ -279,22 +311,16 @@ __device__ __forceinline__ void layout_entries(i32* smem, i64 base, int rank, in
     const u32 row_lanes = TOPK == 32 ? FULL_MASK : ((1u << (TOPK & 31)) - 1u) << ((tile_row * TOPK) & 31);
     i32* my_count = s_count + warp * num_local;
 
-    // Pass 1: per-warp counts per local expert.
+    // Pass 1: per-warp counts per local expert. A warp with one batch (decode sizes) keeps its
+    // entries, weights too, in registers for pass 2: one round trip to the metadata fewer.
+    const bool one_batch = tile_end - tile_begin <= LAYOUT_BATCH;
+    TileBatch entries;
     for (i64 tile0 = tile_begin; tile0 < tile_end; tile0 += LAYOUT_BATCH) {
-        int ids[LAYOUT_BATCH];
+        load_tile_batch(entries, meta, s_begin, world, max_tokens, num_local, tile0, tile_end, total_rows, one_batch);
 #pragma unroll
         for (int b = 0; b < LAYOUT_BATCH; ++b) {
-            ids[b] = -1;
-            const i64 v = (tile0 + b) * rows_per_tile + tile_row;
-            if (lane_used && tile0 + b < tile_end && v < total_rows) {
-                const i64 g = slab_row_of(s_begin, world, max_tokens, v);
-                const int j = static_cast<int>(meta[g * META_WORDS + k]);
-                ids[b] = j >= 0 && j < num_local ? j : -1;
-            }
-        }
-#pragma unroll
-        for (int b = 0; b < LAYOUT_BATCH; ++b) {
-            const int j = ids[b];
+            if (tile0 + b >= tile_end) break;  // the warp's last batch may be short
+            const int j = entries.ids[b];
             const u32 same = __match_any_sync(FULL_MASK, j);
             if (j >= 0 && (same & lanemask_lt()) == 0u) my_count[j] += __popc(same);
             __syncwarp();
@@ -334,53 +360,29 @@ __device__ __forceinline__ void layout_entries(i32* smem, i64 base, int rank, in
     }
     __syncthreads();
 
-    // Kept counts, aligned segments and their cumulative ends (warp 0, 32 experts at a time).
-    if (warp == 0) {
-        int carry = 0;
-        for (int j0 = 0; j0 < num_local; j0 += 32) {
-            const int j = j0 + lane;
-            int kept = 0, segment = 0;
-            if (j < num_local) {
-                kept = min(s_total[j], capacity);
-                segment = (kept + alignment - 1) / alignment * alignment;
-            }
-            const int end = carry + warp_inclusive_sum(segment);
-            if (j < num_local) {
-                s_start[j] = end - segment;
-                if (block == 0) {
-                    expert_offsets[j] = end;
-                    tokens_per_expert[j] = kept;
-                }
-            }
-            carry = __shfl_sync(FULL_MASK, end, 31);
+    // Kept counts, aligned segments and their cumulative ends.
+    block_inclusive_scan(num_local, [&](int j) {
+        const int kept = min(s_total[j], capacity);
+        return (kept + alignment - 1) / alignment * alignment;
+    }, [&](int j, int segment, int end) {
+        s_start[j] = end - segment;
+        if (block == 0) {
+            expert_offsets[j] = end;
+            tokens_per_expert[j] = min(s_total[j], capacity);
         }
-    }
-    __syncthreads();
+    });
 
     // Pass 2: ranks, positions, weights.
     i64 num_dropped = 0;
     i64 first_dropped = NO_OFFENDER;
     for (i64 tile0 = tile_begin; tile0 < tile_end; tile0 += LAYOUT_BATCH) {
-        int ids[LAYOUT_BATCH];
-        float weights[LAYOUT_BATCH];
-        i64 rows[LAYOUT_BATCH];  // slab row g = s * M + t of the lane's entry, -1 if none
-#pragma unroll
-        for (int b = 0; b < LAYOUT_BATCH; ++b) {
-            ids[b] = -1;
-            weights[b] = 0.0f;
-            rows[b] = -1;
-            const i64 v = (tile0 + b) * rows_per_tile + tile_row;
-            if (lane_used && tile0 + b < tile_end && v < total_rows) {
-                const i64 g = slab_row_of(s_begin, world, max_tokens, v);
-                const int j = static_cast<int>(meta[g * META_WORDS + k]);
-                ids[b] = j >= 0 && j < num_local ? j : -1;
-                weights[b] = __uint_as_float(meta[g * META_WORDS + TOPK + k]);
-                rows[b] = g;
-            }
+        if (!one_batch) {
+            load_tile_batch(entries, meta, s_begin, world, max_tokens, num_local, tile0, tile_end, total_rows, true);
         }
 #pragma unroll
         for (int b = 0; b < LAYOUT_BATCH; ++b) {
-            const int j = ids[b];
+            if (tile0 + b >= tile_end) break;
+            const int j = entries.ids[b];
             const u32 same = __match_any_sync(FULL_MASK, j);
             const u32 nonempty = __ballot_sync(FULL_MASK, j >= 0);
             const bool first_of_expert = j >= 0 && (same & lanemask_lt()) == 0u;
@@ -388,7 +390,7 @@ __device__ __forceinline__ void layout_entries(i32* smem, i64 base, int rank, in
             __syncwarp();
             if (first_of_expert) my_count[j] += __popc(same);
             __syncwarp();
-            const i64 g = rows[b];
+            const i64 g = entries.rows[b];
             if (g >= 0) {
                 int pos = -1;
                 if (j >= 0) {
@@ -403,7 +405,7 @@ __device__ __forceinline__ void layout_entries(i32* smem, i64 base, int rank, in
                 }
                 recv_pos[g * TOPK + k] = pos;
                 // A row that carries a token keeps all K weights (as the source sent them).
-                recv_weight[g * TOPK + k] = (nonempty & row_lanes) != 0u ? weights[b] : 0.0f;
+                recv_weight[g * TOPK + k] = (nonempty & row_lanes) != 0u ? entries.weights[b] : 0.0f;
             }
         }
     }
@@ -491,34 +493,20 @@ __device__ __forceinline__ void expand_arrivals(RowBatch& batch, i64 base, int r
                                                 int chunk_tokens, u64 epoch, i64* status, i64 timeout_ns,
                                                 int first_block, const u8* recv, const i32* recv_pos,
                                                 int capacity_rows, u8* out) {
-    __shared__ i32 s_piece[(MAX_WORLD - 1) * MAX_CHUNKS + 1];  // rows of the pieces before p
+    __shared__ i32 s_piece[(MAX_WORLD - 1) * MAX_CHUNKS];  // rows of the pieces before p
     const int others = world - 1;
     const int pieces = others * MAX_CHUNKS;
     __syncthreads();  // s_piece may still be read by an earlier call's last batch
-    if (threadIdx.x < 32) {
-        const int lane = threadIdx.x;
-        int carry = 0;
-        for (int p0 = 0; p0 < pieces; p0 += 32) {
-            const int p = p0 + lane;
-            int rows = 0;
-            if (p < pieces) {
-                const int i = p % others;
-                const int s = i < rank ? i : i + 1;
-                const u64 count = ld_relaxed_sys(flag_at(base, world, CH_TO_DEST, FLAG_COUNT, s));
-                const int tokens = count > static_cast<u64>(max_tokens) ? max_tokens : static_cast<int>(count);
-                rows = min(max(tokens - (p / others) * chunk_tokens, 0), chunk_tokens);
-            }
-            const int inclusive = warp_inclusive_sum(rows);
-            if (p < pieces) s_piece[p] = carry + inclusive - rows;
-            carry += __shfl_sync(FULL_MASK, inclusive, 31);
-        }
-        if (lane == 0) s_piece[pieces] = carry;
-    }
-    __syncthreads();
+    const i64 total = block_inclusive_scan(pieces, [&](int p) {
+        const int i = p % others;
+        const int s = i < rank ? i : i + 1;
+        const u64 count = ld_relaxed_sys(flag_at(base, world, CH_TO_DEST, FLAG_COUNT, s));
+        const int tokens = count > static_cast<u64>(max_tokens) ? max_tokens : static_cast<int>(count);
+        return min(max(tokens - (p / others) * chunk_tokens, 0), chunk_tokens);
+    }, [&](int p, int rows, int inclusive) { s_piece[p] = inclusive - rows; });
 
     // Batches small enough that every chunk's rows spread over all the blocks: the rows of the
     // last chunk to land are what is left to expand after the transfer.
-    const i64 total = s_piece[pieces];
     const int blocks = gridDim.x - first_block;
     const i64 chunk_rows = imin64(total, static_cast<i64>(others) * chunk_tokens);
     const i64 per_block = (chunk_rows + blocks - 1) / blocks;
@@ -567,19 +555,8 @@ __device__ __forceinline__ void load_segments(i32* s_end, i32* s_kept, i32* s_pa
         s_kept[j] = ld_relaxed_gpu_i32(tokens_per_expert + j);
     }
     __syncthreads();
-    if (threadIdx.x < 32) {
-        const int lane = threadIdx.x;
-        int carry = 0;
-        for (int j0 = 0; j0 < num_local; j0 += 32) {
-            const int j = j0 + lane;
-            int pad = 0;
-            if (j < num_local) pad = s_end[j] - (j == 0 ? 0 : s_end[j - 1]) - s_kept[j];
-            pad = warp_inclusive_sum(pad);
-            if (j < num_local) s_pad[j] = carry + pad;
-            carry += __shfl_sync(FULL_MASK, pad, 31);
-        }
-    }
-    __syncthreads();
+    block_inclusive_scan(num_local, [&](int j) { return s_end[j] - (j == 0 ? 0 : s_end[j - 1]) - s_kept[j]; },
+                         [&](int j, int, int pad) { s_pad[j] = pad; });
 }
 
 // Block-wide, blocks [first_block, gridDim.x): zero the padding rows [start_j + n_j, end_j) of
@@ -662,9 +639,10 @@ extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) dispatch(
                            expert_offsets, tokens_per_expert, block_counts, grid_flags);
         }
         blocks_barrier(grid_flags + grid, block, early, grid, epoch, status, rank, timeout_ns);
-        load_segments(smem, smem + num_local, smem + 2 * num_local, expert_offsets, tokens_per_expert, num_local);
         expand_rows(batch, slab_rows(OWN_SLAB, rank, world, max_tokens, grid - early), early, recv, rows, num_tokens,
                     rank, max_tokens, recv_pos, capacity_rows, out);
+        // The segments only after the own rows: their loads would delay the first row copies.
+        load_segments(smem, smem + num_local, smem + 2 * num_local, expert_offsets, tokens_per_expert, num_local);
         zero_padding(smem, smem + num_local, smem + 2 * num_local, num_local, capacity_rows, early, out);
         expand_arrivals(batch, s_peer[rank], rank, world, max_tokens, chunk_tokens, epoch, status, timeout_ns, early,
                         recv, recv_pos, capacity_rows, out);
