@@ -6,9 +6,9 @@
 //
 // One kernel per call, `combine`, on one block per SM (its blocks wait for each other, so all of
 // them must be resident at once). Its phases, on rank R:
-//   send (as a destination): every block first waits until ack[1][s] >= e - 1 in R's own flags
-//     for every rank s (s has finished reading what R returned to it at the previous epoch).
-//     Then for every slab row (s, t) that carries a token (an entry of recv_pos[s, t, :] is not
+//   send (as a destination): every warp, before its first store, waits until ack[1][s] >= e - 1
+//     in R's own flags for every rank s (s has finished reading what R returned to it at the
+//     previous epoch), the loads of its first row in flight meanwhile. For every slab row (s, t) that carries a token (an entry of recv_pos[s, t, :] is not
 //     -1) it computes
 //         partial = dtype(sum over kept k (pos >= 0), k increasing, of w_k * float(y[pos_k]))
 //     (w_k = 1 unweighted) in float32 from 0.0f with separate __fmul_rn / __fadd_rn (no fused
@@ -66,9 +66,11 @@ __device__ __forceinline__ void accumulate(float (&acc)[VPL][ELEMS_PER_VEC], con
 // ------------------------------------------------------------------------------ send phase
 
 // Block-wide: one partial row per carried slab row of recv_pos [W * M, K], from the rows of
-// y [capacity_rows, H], into ret_x[R][t] of its source s (see the top of this file).
+// y [capacity_rows, H], into ret_x[R][t] of its source s, once the acks of epoch - 1 are in (see
+// the top of this file).
 __device__ __forceinline__ void send_partials(RowBatch& batch, const i64* s_peer, int rank, int world, int max_tokens,
-                                              i64 off_ret_x, i64 off_stage_x, const void* y, int capacity_rows,
+                                              u64 epoch, i64* status, i64 timeout_ns, i64 off_ret_x,
+                                              i64 off_stage_x, const void* y, int capacity_rows,
                                               const i32* recv_pos, const float* recv_weight, int weighted) {
     typedef RowChunks<COMBINE_SEND_VPL> Chunks;
     const int lane = threadIdx.x & 31;
@@ -76,6 +78,7 @@ __device__ __forceinline__ void send_partials(RowBatch& batch, const i64* s_peer
     const int warps = blockDim.x >> 5;
     const u8* rows = static_cast<const u8*>(y);
     const BatchShape shape = batch_shape(static_cast<i64>(world) * max_tokens, gridDim.x);
+    bool acked = false;
     for (i64 q = blockIdx.x; q < shape.count; q += gridDim.x) {
         const int listed = block_load_batch(batch, recv_pos, weighted ? recv_weight : nullptr, shape, q, -2);
         for (int unit = warp; unit < listed * Chunks::kPerRow; unit += warps) {
@@ -97,6 +100,11 @@ __device__ __forceinline__ void send_partials(RowBatch& batch, const i64* s_peer
                         const u8* row = rows + static_cast<i64>(batch.pos[r * TOPK + k]) * ROW_BYTES;
                         load_unit<COMBINE_SEND_VPL, kUserInput>(row, vals[i], v0);
                     }
+                }
+                if (!acked) {
+                    warp_wait_flags(s_peer[rank], world, CH_TO_SOURCE, FLAG_ACK, epoch - 1, status,
+                                    TIMEOUT_TO_SOURCE_ACK, timeout_ns);
+                    acked = true;
                 }
 #pragma unroll
                 for (int i = 0; i < COMBINE_GROUP; ++i) {
@@ -191,10 +199,8 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) combine(
     __shared__ i64 s_peer[MAX_WORLD];
     __shared__ RowBatch batch;
     const u64 epoch = begin_call(s_peer, peers, world, state, CH_TO_SOURCE);
-    block_wait_flags(s_peer[rank], world, CH_TO_SOURCE, FLAG_ACK, epoch - 1, status, TIMEOUT_TO_SOURCE_ACK,
-                     timeout_ns);
-    send_partials(batch, s_peer, rank, world, max_tokens, off_ret_x, off_stage_x, y, capacity_rows, recv_pos,
-                  recv_weight, weighted);
+    send_partials(batch, s_peer, rank, world, max_tokens, epoch, status, timeout_ns, off_ret_x, off_stage_x, y,
+                  capacity_rows, recv_pos, recv_weight, weighted);
     if (last_block_done(state + STATE_DONE + SLOT_COMBINE_SEND, gridDim.x)) {
         signal_every_rank(s_peer, rank, world, CH_TO_SOURCE, FLAG_ARRIVAL, epoch, false, 0);
     }

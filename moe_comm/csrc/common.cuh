@@ -299,6 +299,12 @@ __device__ __forceinline__ void st_relaxed_sys(u64* p, u64 v) {
     asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
+__device__ __forceinline__ u64 atom_add_acq_rel_sys(u64* p, u64 v) {
+    u64 old;
+    asm volatile("atom.acq_rel.sys.global.add.u64 %0, [%1], %2;" : "=l"(old) : "l"(p), "l"(v) : "memory");
+    return old;
+}
+
 // Address of flags[channel][kind][peer] in the symmetric allocation that starts at `base`.
 __device__ __forceinline__ u64* flag_at(i64 base, int world, int channel, int kind, int peer) {
     return reinterpret_cast<u64*>(base) + (channel * FLAG_KINDS + kind) * world + peer;
@@ -355,15 +361,29 @@ __device__ __forceinline__ void block_wait_flags(i64 base, int world, int channe
     __syncthreads();
 }
 
+// Warp-wide: lanes p < world (and p + 32, ...) each wait for flags[channel][kind][p] >= target
+// in this rank's allocation at `base`, then the warp synchronises: its later loads and stores see
+// what the peers wrote before their release. Loads the warp issued before stay in flight meanwhile,
+// so a warp that loads its inputs first hides the wait behind them.
+__device__ __forceinline__ void warp_wait_flags(i64 base, int world, int channel, int kind, u64 target,
+                                                i64* status, int phase, i64 timeout_ns) {
+    for (int p = threadIdx.x & 31; p < world; p += 32) {
+        wait_flag_geq(flag_at(base, world, channel, kind, p), target, status, phase, p, timeout_ns);
+    }
+    __syncwarp();
+}
+
 // ------------------------------------------------------------------------ last block done
 
 // Every one of `blocks` blocks calls this once at the end of a phase. The block's earlier stores
 // (also to peers) are made visible system-wide, the block counts itself in `*counter`, and the
-// block that counts last gets true (and resets the counter for the next launch or graph replay). What the last block
-// does afterwards (release-store a flag) is ordered after every block's stores and loads.
-// One system fence per block suffices: fences are cumulative over the writes the barrier ordered
-// before it (the pattern of cooperative groups' grid sync); a fence in every thread cost several
-// microseconds per kernel.
+// block that counts last gets true (and resets the counter for the next launch or graph replay).
+// What the last block does afterwards (release-store a flag) is ordered after every block's stores
+// and loads. One thread per block counts, with a system-scope acq_rel atomic: its release half is
+// cumulative over the block's writes that the barrier ordered before it (the pattern of
+// cooperative groups' grid sync), its acquire half makes the last block see every other block's.
+// A fence in every thread cost several microseconds per kernel; a fence before and after a
+// relaxed atomic, instead of the one acq_rel atomic, about 0.45 us per call.
 __device__ __forceinline__ bool last_block_done(u64* counter, int blocks) {
     __shared__ int is_last;
 #if TRANSPORT_PUT
@@ -371,13 +391,8 @@ __device__ __forceinline__ bool last_block_done(u64* counter, int blocks) {
 #endif
     __syncthreads();
     if (threadIdx.x == 0) {
-        __threadfence_system();
-        const u64 prev = atomicAdd(counter, 1ull);
-        is_last = prev == static_cast<u64>(blocks) - 1;
-        if (is_last) {
-            atomicExch(counter, 0ull);
-            __threadfence_system();
-        }
+        is_last = atom_add_acq_rel_sys(counter, 1ull) == static_cast<u64>(blocks) - 1;
+        if (is_last) st_relaxed_sys(counter, 0ull);  // every block of this launch has counted
     }
     __syncthreads();
     return is_last != 0;

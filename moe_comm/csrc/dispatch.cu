@@ -10,9 +10,10 @@
 // and expands what it can while the rows are still in flight. Phases, on rank R:
 //   send metadata (blocks [0, meta_blocks), one warp per token; meta_blocks = the larger of
 //     num_senders and min(grid, ceil(T / warps per block)): the layout waits for all of it, so at
-//     large T it is spread over the whole grid). These blocks first wait until
+//     large T it is spread over the whole grid). Every warp of these blocks first waits until
 //     ack[0][r] >= e - 1 in R's own flags for every rank r (r has finished reading what R sent it
-//     at the previous epoch: a rank that runs ahead never overwrites a slab still being read).
+//     at the previous epoch: a rank that runs ahead never overwrites a slab still being read),
+//     its first token's inputs loading meanwhile.
 //     Then for each token t < T, recv_meta[R][t] of EVERY rank r gets t's metadata row: the local
 //     expert ids of the assignments living on r (-1 elsewhere) and the K router weights (every
 //     rank gets the row, so a stale row of an earlier call is never read as live); send_mask
@@ -104,16 +105,19 @@ struct TokenRoute {
     u64 dest_set;
 };
 
-__device__ __forceinline__ TokenRoute route_token(const void* topk_idx, int idx_is_64, int t, int num_experts,
-                                                  int local_experts) {
+// Lane k < TOPK: topk_idx[t, k] (int32 or int64); other lanes: -1.
+__device__ __forceinline__ i64 load_expert_id(const void* topk_idx, int idx_is_64, int t) {
+    const int lane = threadIdx.x & 31;
+    if (lane >= TOPK) return -1;
+    const i64 i = static_cast<i64>(t) * TOPK + lane;
+    return idx_is_64 ? static_cast<const i64*>(topk_idx)[i] : static_cast<i64>(static_cast<const i32*>(topk_idx)[i]);
+}
+
+// Warp-wide: the route of a token from every lane's load_expert_id.
+__device__ __forceinline__ TokenRoute route_expert_ids(i64 expert, int num_experts, int local_experts) {
     const int lane = threadIdx.x & 31;
     TokenRoute route;
-    route.expert = -1;
-    if (lane < TOPK) {
-        const i64 i = static_cast<i64>(t) * TOPK + lane;
-        route.expert = idx_is_64 ? static_cast<const i64*>(topk_idx)[i]
-                                 : static_cast<i64>(static_cast<const i32*>(topk_idx)[i]);
-    }
+    route.expert = expert;
     const bool valid = lane < TOPK && route.expert >= 0 && route.expert < num_experts;
     route.dest = valid ? static_cast<int>(route.expert / local_experts) : -1;
     route.local = valid ? static_cast<int>(route.expert - static_cast<i64>(route.dest) * local_experts) : -1;
@@ -124,19 +128,36 @@ __device__ __forceinline__ TokenRoute route_token(const void* topk_idx, int idx_
     return route;
 }
 
+__device__ __forceinline__ TokenRoute route_token(const void* topk_idx, int idx_is_64, int t, int num_experts,
+                                                  int local_experts) {
+    return route_expert_ids(load_expert_id(topk_idx, idx_is_64, t), num_experts, local_experts);
+}
+
 // Block-wide, blocks [0, meta_blocks), one warp per token: the metadata row of every token t < T
-// into recv_meta[R][t] of every rank, send_mask and dest_rank, and the invalid expert ids.
-__device__ __forceinline__ void send_metadata(const i64* s_peer, int rank, int world, int max_tokens, i64* status,
-                                              i64 off_meta, int num_experts, int meta_blocks, const void* topk_idx,
-                                              int idx_is_64, const float* topk_weights, int num_tokens,
-                                              u8* send_mask, i32* dest_rank) {
+// into recv_meta[R][t] of every rank, send_mask and dest_rank, and the invalid expert ids. Every
+// warp first waits until ack[0][r] >= e - 1 for every rank r (r has finished reading what this
+// rank sent it at the previous epoch), its first token's inputs loading meanwhile; so every
+// store of the block after its next barrier (the counts, the flags, the senders' rows) is safe.
+__device__ __forceinline__ void send_metadata(const i64* s_peer, int rank, int world, int max_tokens, u64 epoch,
+                                              i64* status, i64 timeout_ns, i64 off_meta, int num_experts,
+                                              int meta_blocks, const void* topk_idx, int idx_is_64,
+                                              const float* topk_weights, int num_tokens, u8* send_mask,
+                                              i32* dest_rank) {
     const int lane = threadIdx.x & 31;
     const int warps = blockDim.x >> 5;
     const int local_experts = num_experts / world;
     i64 num_invalid = 0;
     i64 first_invalid = NO_OFFENDER;
+    bool acked = false;
+    auto wait_acks = [&]() {
+        warp_wait_flags(s_peer[rank], world, CH_TO_DEST, FLAG_ACK, epoch - 1, status, TIMEOUT_TO_DEST_ACK, timeout_ns);
+        acked = true;
+    };
     for (int t = blockIdx.x * warps + (threadIdx.x >> 5); t < num_tokens; t += meta_blocks * warps) {
-        const TokenRoute route = route_token(topk_idx, idx_is_64, t, num_experts, local_experts);
+        const i64 expert = load_expert_id(topk_idx, idx_is_64, t);
+        const u32 weight = lane < TOPK ? __float_as_uint(topk_weights[static_cast<i64>(t) * TOPK + lane]) : 0u;
+        if (!acked) wait_acks();
+        const TokenRoute route = route_expert_ids(expert, num_experts, local_experts);
         const u32 invalid = __ballot_sync(FULL_MASK, lane < TOPK && route.expert != -1 && route.dest < 0);
         if (invalid != 0u) {
             num_invalid += __popc(invalid);
@@ -148,7 +169,6 @@ __device__ __forceinline__ void send_metadata(const i64* s_peer, int rank, int w
         if (lane < TOPK) {
             const i64 i = static_cast<i64>(t) * TOPK + lane;
             dest_rank[i] = route.dest;
-            const u32 weight = __float_as_uint(topk_weights[i]);
             for (int r = 0; r < world; ++r) {
                 u32* row = reinterpret_cast<u32*>(s_peer[r] + off_meta) +
                            (static_cast<i64>(rank) * max_tokens + t) * META_WORDS;
@@ -157,6 +177,7 @@ __device__ __forceinline__ void send_metadata(const i64* s_peer, int rank, int w
             }
         }
     }
+    if (!acked) wait_acks();
     if (lane == 0 && num_invalid != 0) status_add_offenders(status, STATUS_NUM_INVALID, num_invalid, first_invalid);
 }
 
@@ -617,10 +638,8 @@ extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) dispatch(
     const int warps = blockDim.x >> 5;
     const int meta_blocks = max(max(num_senders, 1), min(grid, (num_tokens + warps - 1) / warps));
     if (block < meta_blocks) {
-        block_wait_flags(s_peer[rank], world, CH_TO_DEST, FLAG_ACK, epoch - 1, status, TIMEOUT_TO_DEST_ACK,
-                         timeout_ns);
-        send_metadata(s_peer, rank, world, max_tokens, status, off_meta, num_experts, meta_blocks, topk_idx,
-                      idx_is_64, topk_weights, num_tokens, send_mask, dest_rank);
+        send_metadata(s_peer, rank, world, max_tokens, epoch, status, timeout_ns, off_meta, num_experts, meta_blocks,
+                      topk_idx, idx_is_64, topk_weights, num_tokens, send_mask, dest_rank);
         if (last_block_done(state + STATE_DONE + SLOT_DISPATCH_META, meta_blocks)) {
             signal_every_rank(s_peer, rank, world, CH_TO_DEST, FLAG_META, epoch, true, static_cast<u64>(num_tokens));
         }
