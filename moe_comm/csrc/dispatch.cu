@@ -341,10 +341,8 @@ __device__ __forceinline__ void layout_entries(i32* smem, i64 base, int rank, in
 #pragma unroll
         for (int b = 0; b < LAYOUT_BATCH; ++b) {
             if (tile0 + b >= tile_end) break;  // the warp's last batch may be short
-            const int j = entries.ids[b];
-            const u32 same = __match_any_sync(FULL_MASK, j);
-            if (j >= 0 && (same & lanemask_lt()) == 0u) my_count[j] += __popc(same);
-            __syncwarp();
+            // Counts need no order: shared atomics (a warp-wide match costs far more).
+            if (entries.ids[b] >= 0) atomicAdd(my_count + entries.ids[b], 1);
         }
     }
     __syncthreads();
@@ -361,23 +359,24 @@ __device__ __forceinline__ void layout_entries(i32* smem, i64 base, int rank, in
     }
     __syncthreads();
 
-    // Publish this block's counts, wait for every block's, and take the entries of the blocks
-    // before this one (they hold the earlier tiles) and every block's totals.
-    for (int j = threadIdx.x; j < num_local; j += blockDim.x) block_counts[block * num_local + j] = s_total[j];
+    // With several layout blocks: publish this block's counts, wait for every block's, and take
+    // the entries of the blocks before this one (they hold the earlier tiles) and every block's
+    // totals. One block (decode sizes) has them all already.
     if (blocks > 1) {
+        for (int j = threadIdx.x; j < num_local; j += blockDim.x) block_counts[block * num_local + j] = s_total[j];
         blocks_barrier(block_flags, block, 0, blocks, epoch, status, rank, timeout_ns);
-    } else {
-        __syncthreads();
-    }
-    for (int j = threadIdx.x; j < num_local; j += blockDim.x) {
-        int before = 0, total = 0;
-        for (int b = 0; b < blocks; ++b) {
-            const int c = ld_relaxed_gpu_i32(block_counts + b * num_local + j);
-            before += b < block ? c : 0;
-            total += c;
+        for (int j = threadIdx.x; j < num_local; j += blockDim.x) {
+            int before = 0, total = 0;
+            for (int b = 0; b < blocks; ++b) {
+                const int c = ld_relaxed_gpu_i32(block_counts + b * num_local + j);
+                before += b < block ? c : 0;
+                total += c;
+            }
+            s_before[j] = before;
+            s_total[j] = total;
         }
-        s_before[j] = before;
-        s_total[j] = total;
+    } else {
+        for (int j = threadIdx.x; j < num_local; j += blockDim.x) s_before[j] = 0;
     }
     __syncthreads();
 
