@@ -7,9 +7,10 @@ Every rank runs the same inputs through a Dispatcher of the backend under test (
 -> experts -> combine step is replayed with fresh inputs, checked against the reference every time.
 
 Backends: ``tests/gpu_backends.GPU_BACKENDS`` (vmm, nvshmem p2p and put, nccl symmetric and
-collective). World sizes, one spawn each: 1 (no peers: every "remote" write is local), 2 and 4.
-``vmm`` also runs 4 ranks on 2 GPUs (two ranks per GPU, gloo default group: ranks that share a GPU
-exercise the spin-waits under time-slicing); the others need one GPU per rank.
+collective). World sizes, one spawn each: 1 (no peers: every "remote" write is local), 2, 4 and 8.
+``vmm`` also runs more ranks than there are GPUs, one GPU included (several ranks per GPU, gloo
+default group: ranks that share a GPU exercise the spin-waits under time-slicing); the others
+need one GPU per rank.
 
 Outputs are pre-filled with a sentinel so an unwritten row shows: exactly for graph replays (the
 static outputs are filled before every replay) and best-effort for eager calls (the caching
