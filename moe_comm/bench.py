@@ -481,7 +481,8 @@ def write_results(rows: list[dict], meta: dict, out_dir: Path, name: str) -> lis
     axis.set_yscale("log")
     axis.set_xlabel("tokens per rank")
     axis.set_ylabel("dispatch + combine (us, median)")
-    axis.set_title(f"{meta.get('world_size')} ranks, {meta.get('device')}: uniform routing")
+    world = meta.get("world_size")
+    axis.set_title(f"{world} rank{'' if world == 1 else 's'}, {meta.get('device')}: uniform routing")
     axis.grid(True, which="both", alpha=0.3)
     axis.legend(fontsize=8)
     png_path = out_dir / f"{name}.png"
