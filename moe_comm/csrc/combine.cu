@@ -8,8 +8,8 @@
 // them must be resident at once). Its phases, on rank R:
 //   send (as a destination): every warp, before its first store, waits until ack[1][s] >= e - 1
 //     in R's own flags for every rank s (s has finished reading what R returned to it at the
-//     previous epoch), the loads of its first row in flight meanwhile. For every slab row (s, t) that carries a token (an entry of recv_pos[s, t, :] is not
-//     -1) it computes
+//     previous epoch), the loads of its first row in flight meanwhile. For every slab row (s, t)
+//     that carries a token (an entry of recv_pos[s, t, :] is not -1) it computes
 //         partial = dtype(sum over kept k (pos >= 0), k increasing, of w_k * float(y[pos_k]))
 //     (w_k = 1 unweighted) in float32 from 0.0f with separate __fmul_rn / __fadd_rn (no fused
 //     multiply-add: the reference rounds the product), rounded to nearest even, and stores it into

@@ -341,7 +341,7 @@ __device__ __forceinline__ void layout_entries(i32* smem, i64 base, int rank, in
 #pragma unroll
         for (int b = 0; b < LAYOUT_BATCH; ++b) {
             if (tile0 + b >= tile_end) break;  // the warp's last batch may be short
-            // Counts need no order: shared atomics (a warp-wide match costs far more).
+            // Counts need no order: a shared atomic per entry, not the warp-wide match of pass 2.
             if (entries.ids[b] >= 0) atomicAdd(my_count + entries.ids[b], 1);
         }
     }
