@@ -407,10 +407,7 @@ __device__ __forceinline__ bool last_block_done(u64* counter, int blocks) {
 __device__ __forceinline__ void blocks_barrier(u64* flags, int me, int first, int last, u64 stamp, i64* status,
                                                int rank, i64 timeout_ns) {
     __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        st_release_gpu(flags + me, stamp);
-    }
+    if (threadIdx.x == 0) st_release_gpu(flags + me, stamp);  // cumulative: the barrier ordered the block's stores
     for (int b = first + threadIdx.x; b < last; b += blockDim.x) {
         wait_flag_geq(flags + b, stamp, status, TIMEOUT_GRID_BARRIER, rank, timeout_ns, true);
     }
