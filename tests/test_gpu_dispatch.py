@@ -40,6 +40,9 @@ SENTINEL_BYTE = 0x7F     # int32 0x7f7f7f7f, float32 3.4e38, bf16 3.4e38: never 
 # Enough tokens for 4 chunks of dispatch's rows and of combine's partial rows (256 tokens each,
 # kernels._chunk_tokens), the last one partial.
 CHUNKED_MAX_TOKENS = 3 * 256 + 40
+# More local experts than a dispatch block has threads (512): the layout's scans over the experts
+# span every warp and two rounds, which NUM_EXPERTS (a few experts, one warp) never reaches.
+MANY_LOCAL_EXPERTS = 1040
 
 
 def _config(backend: str, dtype: str, **overrides):
@@ -91,24 +94,25 @@ def _fill_sentinel(tensor: torch.Tensor) -> None:
         tensor.view(torch.uint8).fill_(SENTINEL_BYTE)
 
 
-def _inputs(kind: str, num_tokens: int, world: int, dtype: torch.dtype, generator: torch.Generator):
+def _inputs(kind: str, num_tokens: int, world: int, dtype: torch.dtype, generator: torch.Generator,
+            num_experts: int = NUM_EXPERTS):
     """x [T, H], topk_idx [T, K] (int64), topk_weights [T, K] on the CPU for one scenario."""
-    local = NUM_EXPERTS // world
+    local = num_experts // world
     x = torch.randn(num_tokens, HIDDEN, generator=generator).to(dtype)
     weights = torch.rand(num_tokens, TOPK, generator=generator)
-    idx = torch.topk(torch.randn(num_tokens, NUM_EXPERTS, generator=generator).abs() + 1, TOPK).indices
+    idx = torch.topk(torch.randn(num_tokens, num_experts, generator=generator).abs() + 1, TOPK).indices
     if kind == "minus_one":
         idx[torch.rand(num_tokens, TOPK, generator=generator) < 0.4] = -1
         if num_tokens:
             idx[0] = -1  # a token sent nowhere: combine must give zeros
     elif kind == "one_expert":
-        idx[:, 0] = NUM_EXPERTS - 1
+        idx[:, 0] = num_experts - 1
         idx[:, 1:] = -1
     elif kind == "one_rank":  # every assignment on rank 0, repeated experts allowed
         idx = torch.randint(0, local, (num_tokens, TOPK), generator=generator)
     elif kind == "invalid":
         if num_tokens > 3:
-            idx[1, 2] = NUM_EXPERTS + 3
+            idx[1, 2] = num_experts + 3
             idx[3, 0] = -7
             idx[3, 1] = 1 << 40  # does not fit in int32: must still count as invalid
     return x, idx, weights
@@ -116,7 +120,7 @@ def _inputs(kind: str, num_tokens: int, world: int, dtype: torch.dtype, generato
 
 def _expert_rows(out, rank: int, world: int, rows_used: torch.Tensor) -> torch.Tensor:
     """CPU expert outputs: row * (1 + 0.25 * global expert), NaN on every row no kept entry maps to."""
-    local = NUM_EXPERTS // world
+    local = out.expert_offsets.numel()
     capacity_rows = out.x.shape[0]
     rows = torch.arange(capacity_rows, dtype=torch.int32)
     expert = torch.searchsorted(out.expert_offsets.cpu(), rows, right=True).clamp(max=local - 1)
@@ -284,6 +288,19 @@ def _chunked_scenarios(rank, world, gloo, backend: str, section: dict) -> None:
             _eager_step(dev, ref, rank, world, x, idx, weights, generator, f"chunked, T={num_tokens} (rank {rank})")
 
 
+def _many_experts_scenario(rank, world, gloo, backend: str, section: dict) -> None:
+    """MANY_LOCAL_EXPERTS local experts, tokens spread over all of them: offsets, counts and the
+    expert-major rows must still match the reference bitwise."""
+    generator = torch.Generator().manual_seed(900 + rank)
+    many = dict(num_experts=MANY_LOCAL_EXPERTS * world)
+    with moe_comm.Dispatcher(_config(backend, "bfloat16", **many, **section)) as dev, \
+            moe_comm.Dispatcher(_config("reference", "bfloat16", **many), group=gloo) as ref:
+        x, idx, weights = _inputs("random", MAX_TOKENS - 3 * rank, world, torch.bfloat16, generator,
+                                  num_experts=MANY_LOCAL_EXPERTS * world)
+        tag = f"{MANY_LOCAL_EXPERTS} local experts (rank {rank})"
+        _eager_step(dev, ref, rank, world, x, idx, weights, generator, tag)
+
+
 def _timeout_scenario(rank, world, gloo) -> None:
     """A peer that never dispatches is reported (phase and peer) instead of hanging the device."""
     dist.barrier(group=gloo)
@@ -311,6 +328,7 @@ def _rank_main(rank: int, world: int, backend_id: str) -> None:
             _graph_scenarios(dev, ref, rank, world, dtype, generator)
     _capacity_scenarios(rank, world, gloo, backend, section)
     _chunked_scenarios(rank, world, gloo, backend, section)
+    _many_experts_scenario(rank, world, gloo, backend, section)
     if world == 2 and backend_id == "vmm":
         _timeout_scenario(rank, world, gloo)
 
