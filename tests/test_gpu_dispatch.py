@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 import moe_comm
+from moe_comm import kernels
 from gpu_backends import GPU_BACKENDS, dist_backend_for
 from multirank import run_ranks
 
@@ -43,6 +44,9 @@ CHUNKED_MAX_TOKENS = 3 * 256 + 40
 # More local experts than a dispatch block has threads (512): the layout's scans over the experts
 # span every warp and two rounds, which NUM_EXPERTS (a few experts, one warp) never reaches.
 MANY_LOCAL_EXPERTS = 1040
+# Slab rows laid out by a single block: 1400 rows are 140 tiles of TOPK-entry rows, more than 8
+# (LAYOUT_BATCH) per warp, so pass 2 of the layout reloads its batches instead of keeping pass 1's.
+ONE_BLOCK_MAX_TOKENS = 1400
 
 
 def _config(backend: str, dtype: str, **overrides):
@@ -301,6 +305,22 @@ def _many_experts_scenario(rank, world, gloo, backend: str, section: dict) -> No
         _eager_step(dev, ref, rank, world, x, idx, weights, generator, tag)
 
 
+def _one_layout_block_scenario(rank, world, gloo, backend: str, section: dict) -> None:
+    """Every slab row on one layout block (kernels._LAYOUT_ROWS_PER_BLOCK raised in this rank
+    process), several batches per warp: the layout must still match the reference bitwise."""
+    generator = torch.Generator().manual_seed(1100 + rank)
+    rows_per_block = kernels._LAYOUT_ROWS_PER_BLOCK
+    kernels._LAYOUT_ROWS_PER_BLOCK = world * ONE_BLOCK_MAX_TOKENS
+    try:
+        sized = dict(max_tokens_per_rank=ONE_BLOCK_MAX_TOKENS)
+        with moe_comm.Dispatcher(_config(backend, "bfloat16", **sized, **section)) as dev, \
+                moe_comm.Dispatcher(_config("reference", "bfloat16", **sized), group=gloo) as ref:
+            x, idx, weights = _inputs("random", ONE_BLOCK_MAX_TOKENS - 3 * rank, world, torch.bfloat16, generator)
+            _eager_step(dev, ref, rank, world, x, idx, weights, generator, f"one layout block (rank {rank})")
+    finally:
+        kernels._LAYOUT_ROWS_PER_BLOCK = rows_per_block
+
+
 def _timeout_scenario(rank, world, gloo) -> None:
     """A peer that never dispatches is reported (phase and peer) instead of hanging the device."""
     dist.barrier(group=gloo)
@@ -329,6 +349,7 @@ def _rank_main(rank: int, world: int, backend_id: str) -> None:
     _capacity_scenarios(rank, world, gloo, backend, section)
     _chunked_scenarios(rank, world, gloo, backend, section)
     _many_experts_scenario(rank, world, gloo, backend, section)
+    _one_layout_block_scenario(rank, world, gloo, backend, section)
     if world == 2 and backend_id == "vmm":
         _timeout_scenario(rank, world, gloo)
 
