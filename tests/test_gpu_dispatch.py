@@ -296,11 +296,11 @@ def _many_experts_scenario(rank, world, gloo, backend: str, section: dict) -> No
     """MANY_LOCAL_EXPERTS local experts, tokens spread over all of them: offsets, counts and the
     expert-major rows must still match the reference bitwise."""
     generator = torch.Generator().manual_seed(900 + rank)
-    many = dict(num_experts=MANY_LOCAL_EXPERTS * world)
-    with moe_comm.Dispatcher(_config(backend, "bfloat16", **many, **section)) as dev, \
-            moe_comm.Dispatcher(_config("reference", "bfloat16", **many), group=gloo) as ref:
+    num_experts = MANY_LOCAL_EXPERTS * world
+    with moe_comm.Dispatcher(_config(backend, "bfloat16", num_experts=num_experts, **section)) as dev, \
+            moe_comm.Dispatcher(_config("reference", "bfloat16", num_experts=num_experts), group=gloo) as ref:
         x, idx, weights = _inputs("random", MAX_TOKENS - 3 * rank, world, torch.bfloat16, generator,
-                                  num_experts=MANY_LOCAL_EXPERTS * world)
+                                  num_experts=num_experts)
         tag = f"{MANY_LOCAL_EXPERTS} local experts (rank {rank})"
         _eager_step(dev, ref, rank, world, x, idx, weights, generator, tag)
 
