@@ -1,7 +1,7 @@
 """Configuration: frozen, validated dataclasses loaded from YAML.
 
 ``load_config`` is the one way in: it reads a YAML file, a dict or the embedded
-default (``moe_comm/configs/default.yaml``), merges keyword overrides, rejects
+default (``configs/default.yaml``), merges keyword overrides, rejects
 unknown keys and checks every value, naming the key, the value and what is
 allowed. Values that depend on the process group (``num_experts % world_size``)
 are checked by :meth:`Config.check_world` when a ``Dispatcher`` is built.
@@ -15,12 +15,12 @@ import json
 import math
 import os
 from dataclasses import dataclass, field, fields
-from importlib import resources
 from typing import Any, Mapping, Optional, Union
 
 import torch
 import yaml
 
+from .assets import asset_dir
 from .errors import ConfigError
 
 __all__ = [
@@ -231,8 +231,8 @@ class Config:
 
 
 def default_config_text() -> str:
-    """The text of the embedded default configuration (``moe_comm/configs/default.yaml``)."""
-    return resources.files("moe_comm").joinpath("configs/default.yaml").read_text()
+    """The text of the embedded default configuration (``configs/default.yaml``)."""
+    return asset_dir("configs").joinpath("default.yaml").read_text(encoding="utf-8")
 
 
 def _read_source(source: Union[None, str, os.PathLike, Mapping[str, Any]]) -> dict:

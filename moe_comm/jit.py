@@ -50,12 +50,12 @@ import re
 import tempfile
 import threading
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 
+from .assets import asset_dir
 from .errors import BackendError, CompileError, InputError
 
 __all__ = [
@@ -189,10 +189,8 @@ def _nvrtc_compile(name: str, source: str, headers: Mapping[str, str], options: 
 
 
 def _csrc_files(suffix: str) -> dict[str, Any]:
-    """File name -> resource of every ``moe_comm/csrc/*<suffix>``, sorted by name (none if there is no csrc)."""
-    csrc = resources.files("moe_comm").joinpath("csrc")
-    if not csrc.is_dir():
-        return {}
+    """File name -> resource of every ``csrc/*<suffix>`` (:func:`moe_comm.assets.asset_dir`), sorted by name."""
+    csrc = asset_dir("csrc")
     return {entry.name: entry for entry in sorted(csrc.iterdir(), key=lambda e: e.name) if entry.name.endswith(suffix)}
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import moe_comm
+from moe_comm.assets import asset_dir
 from moe_comm.config import Config, NcclConfig, default_config_text, load_config
 from moe_comm.errors import ConfigError
 
@@ -16,6 +17,16 @@ def test_embedded_default_matches_dataclass_defaults():
     # The YAML shipped in the package and the dataclass defaults must not drift apart.
     assert load_config() == Config()
     assert "backend:" in default_config_text()
+
+
+@pytest.mark.parametrize("name", sorted(path.name for path in asset_dir("configs").iterdir()
+                                         if path.name.endswith(".yaml") and path.name != "default.yaml"))
+def test_example_configs_load_and_fit_8_ranks(name):
+    # The example configs users start from must stay valid as keys change; 8 ranks is one full node.
+    config = load_config(asset_dir("configs").joinpath(name))
+    assert config.backend != "auto", f"{name} names its backend: it is an example of one deployment"
+    config.check_world(8)
+    assert config.capacity_rows(8) > 0
 
 
 def test_yaml_file_dict_and_overrides(tmp_path):
