@@ -68,16 +68,16 @@ __device__ __forceinline__ void accumulate(float (&acc)[VPL][ELEMS_PER_VEC], con
 // Block-wide: one partial row per carried slab row of recv_pos [W * M, K], from the rows of
 // y [capacity_rows, H], into ret_x[R][t] of its source s, once the acks of epoch - 1 are in (see
 // the top of this file).
-__device__ __forceinline__ void send_partials(RowBatch& batch, const i64* s_peer, int rank, int world, int max_tokens,
+__device__ __forceinline__ void send_partials(RowBatch& batch, const i64* s_peer, int rank, int world, int max_tokens_per_rank,
                                               u64 epoch, i64* status, i64 timeout_ns, i64 off_ret_x,
                                               i64 off_stage_x, const void* y, int capacity_rows,
                                               const i32* recv_pos, const float* recv_weight, int weighted) {
-    typedef RowChunks<COMBINE_SEND_VPL> Chunks;
+    typedef RowParts<COMBINE_SEND_VPL> Chunks;
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int warps = blockDim.x >> 5;
     const u8* rows = static_cast<const u8*>(y);
-    const BatchShape shape = batch_shape(static_cast<i64>(world) * max_tokens, gridDim.x);
+    const BatchShape shape = batch_shape(static_cast<i64>(world) * max_tokens_per_rank, gridDim.x);
     bool acked = false;
     for (i64 q = blockIdx.x; q < shape.count; q += gridDim.x) {
         const int listed = block_load_batch(batch, recv_pos, weighted ? recv_weight : nullptr, shape, q, -2);
@@ -116,13 +116,13 @@ __device__ __forceinline__ void send_partials(RowBatch& batch, const i64* s_peer
                 }
             }
             const i64 g = batch.row[r];
-            const int s = static_cast<int>(g / max_tokens);
-            const i64 t = g - static_cast<i64>(s) * max_tokens;
+            const int s = static_cast<int>(g / max_tokens_per_rank);
+            const i64 t = g - static_cast<i64>(s) * max_tokens_per_rank;
             Vec16 partial[COMBINE_SEND_VPL];
 #pragma unroll
             for (int u = 0; u < COMBINE_SEND_VPL; ++u) partial[u] = pack16(acc[u]);
-            u8* dst = reinterpret_cast<u8*>(s_peer[s] + off_ret_x) + (static_cast<i64>(rank) * max_tokens + t) * ROW_BYTES;
-#if TRANSPORT_PUT
+            u8* dst = reinterpret_cast<u8*>(s_peer[s] + off_ret_x) + (static_cast<i64>(rank) * max_tokens_per_rank + t) * ROW_BYTES;
+#if PUT_TRANSPORT
             if (s != rank) {  // staged in this rank's own allocation, the copy NVSHMEM reads
                 u8* staged = reinterpret_cast<u8*>(s_peer[rank] + off_stage_x) + g * ROW_BYTES;
                 store_unit<COMBINE_SEND_VPL>(staged, partial, v0);
@@ -140,9 +140,9 @@ __device__ __forceinline__ void send_partials(RowBatch& batch, const i64* s_peer
 
 // Block-wide: z [T, H] row t = the sum of the partial rows ret_x[r][t] of the ranks r of
 // send_mask [T, W] row t, in increasing r (zeros for a token sent nowhere).
-__device__ __forceinline__ void sum_partials(const i64* s_peer, int rank, int world, int max_tokens, i64 off_ret_x,
+__device__ __forceinline__ void sum_partials(const i64* s_peer, int rank, int world, int max_tokens_per_rank, i64 off_ret_x,
                                              const u8* send_mask, int num_tokens, void* z) {
-    typedef RowChunks<COMBINE_RECV_VPL> Chunks;
+    typedef RowParts<COMBINE_RECV_VPL> Chunks;
     const int lane = threadIdx.x & 31;
     const int warps = blockDim.x >> 5;
     const u8* returned = reinterpret_cast<const u8*>(s_peer[rank] + off_ret_x);
@@ -170,7 +170,7 @@ __device__ __forceinline__ void sum_partials(const i64* s_peer, int rank, int wo
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 if (from[i] >= 0) {
-                    const u8* row = returned + (static_cast<i64>(from[i]) * max_tokens + t) * ROW_BYTES;
+                    const u8* row = returned + (static_cast<i64>(from[i]) * max_tokens_per_rank + t) * ROW_BYTES;
                     load_unit<COMBINE_RECV_VPL, kWrittenHere>(row, vals[i], v0);
                 }
             }
@@ -192,35 +192,35 @@ __device__ __forceinline__ void sum_partials(const i64* s_peer, int rank, int wo
 
 // One block per SM (gridDim.x <= SMs: blocks wait for the arrival the last of them signals).
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) combine(
-    const i64* __restrict__ peers, int rank, int world, int max_tokens, u64* state, i64* status, i64 timeout_ns,
+    const i64* __restrict__ peers, int rank, int world, int max_tokens_per_rank, u64* state, i64* status, i64 timeout_ns,
     i64 off_ret_x, i64 off_stage_x, int capacity_rows,
     const void* __restrict__ y, const i32* __restrict__ recv_pos, const float* __restrict__ recv_weight, int weighted,
     const u8* __restrict__ send_mask, int num_tokens, void* __restrict__ z) {
     __shared__ i64 s_peer[MAX_WORLD];
     __shared__ RowBatch batch;
     const u64 epoch = begin_call(s_peer, peers, world, state, CH_TO_SOURCE);
-    send_partials(batch, s_peer, rank, world, max_tokens, epoch, status, timeout_ns, off_ret_x, off_stage_x, y,
+    send_partials(batch, s_peer, rank, world, max_tokens_per_rank, epoch, status, timeout_ns, off_ret_x, off_stage_x, y,
                   capacity_rows, recv_pos, recv_weight, weighted);
     if (last_block_done(state + STATE_DONE + SLOT_COMBINE_SEND, gridDim.x)) {
         signal_every_rank(s_peer, rank, world, CH_TO_SOURCE, FLAG_ARRIVAL, epoch, false, 0);
     }
     block_wait_flags(s_peer[rank], world, CH_TO_SOURCE, FLAG_ARRIVAL, epoch, status, TIMEOUT_TO_SOURCE_ARRIVAL,
                      timeout_ns);
-    sum_partials(s_peer, rank, world, max_tokens, off_ret_x, send_mask, num_tokens, z);
+    sum_partials(s_peer, rank, world, max_tokens_per_rank, off_ret_x, send_mask, num_tokens, z);
     acknowledge_and_advance(state, SLOT_COMBINE_RECV, s_peer, rank, world, CH_TO_SOURCE, epoch);
 }
 
 // ---------------------------------------------------------------------------- values_send
 
 extern "C" __global__ void __launch_bounds__(VALUES_THREADS) values_send(
-    const i64* __restrict__ peers, int rank, int world, int max_tokens, u64* state, i64* status, i64 timeout_ns,
+    const i64* __restrict__ peers, int rank, int world, int max_tokens_per_rank, u64* state, i64* status, i64 timeout_ns,
     i64 off_ret_vals, const float* __restrict__ row_vector, int capacity_rows, const i32* __restrict__ recv_pos) {
     __shared__ i64 s_peer[MAX_WORLD];
     const u64 epoch = begin_call(s_peer, peers, world, state, CH_TO_SOURCE);
     block_wait_flags(s_peer[rank], world, CH_TO_SOURCE, FLAG_ACK, epoch - 1, status, TIMEOUT_TO_SOURCE_ACK,
                      timeout_ns);
 
-    const i64 per_slab = static_cast<i64>(max_tokens) * TOPK;
+    const i64 per_slab = static_cast<i64>(max_tokens_per_rank) * TOPK;
     const i64 total = static_cast<i64>(world) * per_slab;
     for (i64 i = static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
          i += static_cast<i64>(gridDim.x) * blockDim.x) {
@@ -240,7 +240,7 @@ extern "C" __global__ void __launch_bounds__(VALUES_THREADS) values_send(
 // ---------------------------------------------------------------------------- values_recv
 
 extern "C" __global__ void __launch_bounds__(VALUES_THREADS) values_recv(
-    const i64* __restrict__ peers, int rank, int world, int max_tokens, u64* state, i64* status, i64 timeout_ns,
+    const i64* __restrict__ peers, int rank, int world, int max_tokens_per_rank, u64* state, i64* status, i64 timeout_ns,
     i64 off_ret_vals, const i32* __restrict__ dest_rank, int num_tokens, float* __restrict__ out) {
     __shared__ i64 s_peer[MAX_WORLD];
     const u64 epoch = begin_call(s_peer, peers, world, state, CH_TO_SOURCE);
@@ -248,7 +248,7 @@ extern "C" __global__ void __launch_bounds__(VALUES_THREADS) values_recv(
                      timeout_ns);
 
     const float* returned = reinterpret_cast<const float*>(s_peer[rank] + off_ret_vals);
-    const i64 per_slab = static_cast<i64>(max_tokens) * TOPK;
+    const i64 per_slab = static_cast<i64>(max_tokens_per_rank) * TOPK;
     const i64 total = static_cast<i64>(num_tokens) * TOPK;
     for (i64 i = static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
          i += static_cast<i64>(gridDim.x) * blockDim.x) {

@@ -10,9 +10,9 @@
 //   DTYPE   bf16 | f16 | f32   element type of token rows
 //   HIDDEN  elements per row   (HIDDEN * element size is a multiple of 16 bytes)
 //   TOPK    columns of topk_idx (1..32)
-//   TRANSPORT_PUT  0 (default): peer loads/stores; 1: NVSHMEM puts (see transport.cuh)
+//   PUT_TRANSPORT  0 (default): peer loads/stores; 1: NVSHMEM puts (see transport.cuh)
 //
-// Layouts mirrored from Python (keep in sync with moe_comm/layout.py and moe_comm/kernels.py):
+// Layouts mirrored from Python (keep in sync with moe_comm/routing.py and moe_comm/kernels.py):
 //   * status word  int64 [6]: see STATUS_* below (layout.STATUS_*).
 //   * flags        u64 at offset 0 of every rank's symmetric allocation:
 //                  flags[channel][kind][peer], channel 0 = "to destination" (dispatch, redispatch),
@@ -386,7 +386,7 @@ __device__ __forceinline__ void warp_wait_flags(i64 base, int world, int channel
 // relaxed atomic, instead of the one acq_rel atomic, about 0.45 us per call.
 __device__ __forceinline__ bool last_block_done(u64* counter, int blocks) {
     __shared__ int is_last;
-#if TRANSPORT_PUT
+#if PUT_TRANSPORT
     nvshmem_quiet();  // this thread's puts have landed at their PEs
 #endif
     __syncthreads();
@@ -418,7 +418,7 @@ __device__ __forceinline__ void blocks_barrier(u64* flags, int me, int first, in
 // `dst` is always an address computed from s_peer[pe] (see transport.cuh); `pe` the rank it belongs to.
 
 __device__ __forceinline__ void remote_st32(u32* dst, u32 value, int pe) {
-#if TRANSPORT_PUT
+#if PUT_TRANSPORT
     nvshmem_uint32_p(dst, value, pe);
 #else
     (void)pe;
@@ -460,7 +460,7 @@ __device__ __forceinline__ void store_unit(u8* dst, const Vec16 (&vals)[VPL], in
     }
 }
 
-#if TRANSPORT_PUT
+#if PUT_TRANSPORT
 // Warp-wide: chunk `chunk` (kVecs vectors) of a row staged at `staged` in this rank's allocation
 // goes to `dst` on rank `pe`. The warp's stores of the staged chunk are ordered before the put.
 template <int VPL>
@@ -479,7 +479,7 @@ __device__ __forceinline__ void put_unit(u8* dst, const u8* staged, int chunk, i
 __device__ __forceinline__ void signal_every_rank(const i64* s_peer, int rank, int world, int channel, int kind,
                                                   u64 epoch, bool with_count, u64 count) {
     for (int r = threadIdx.x; r < world; r += blockDim.x) {
-#if TRANSPORT_PUT
+#if PUT_TRANSPORT
         if (with_count) nvshmem_uint64_p(flag_at(s_peer[r], world, channel, FLAG_COUNT, rank), count, r);
         nvshmem_fence();
         nvshmem_uint64_p(flag_at(s_peer[r], world, channel, kind, rank), epoch, r);
@@ -511,9 +511,9 @@ __device__ __forceinline__ u64 begin_call(i64* s_peer, const i64* peers, int wor
 
 // Warp-level split of a row into chunks of 32 * VPL vectors (VPL vectors per lane), so several
 // warps can move one row (decode sizes have few rows). Python mirrors kPerRow to size grids
-// (kernels._chunks_per_row); a mismatch there only changes the grid, never the result.
+// (kernels._parts_per_row); a mismatch there only changes the grid, never the result.
 template <int VPL>
-struct RowChunks {
+struct RowParts {
     static constexpr int kVecs = 32 * VPL;
     static constexpr int kPerRow = (ROW_VECS + kVecs - 1) / kVecs;
 };

@@ -33,7 +33,7 @@
 //     local scratch behind a barrier of the layout blocks, and offsets its ranks by the counts of
 //     the blocks before it), applies the capacity (rank >= C: dropped, pos -2, counted with the
 //     smallest (s << 32 | t)), aligns the segments, and writes recv_pos [W, M, K], recv_weight
-//     [W, M, K], expert_offsets [L], tokens_per_expert [L]: exactly moe_comm.layout.plan_destination.
+//     [W, M, K], expert_offsets [L], tokens_per_expert [L]: exactly moe_comm.routing.plan_destination.
 //   own expansion (the same group, after a barrier of it): copies each of R's own rows (from x)
 //     to the out_x row of each of its kept entries and zeroes every segment's padding rows
 //     [start_j + n_j, end_j) (rows at or past expert_offsets[-1] are not touched).
@@ -72,16 +72,16 @@ __device__ __forceinline__ u64 leader_dest_set(u32 leaders, int dest) {
 // Warp-wide: unit `chunk` of token row t of x [T, H] to slab row recv_x[rank][t] of every OTHER
 // rank in `dests` (this rank's expand reads its own tokens from x). With puts the unit is first
 // stored into this rank's own slab row, the copy NVSHMEM reads.
-__device__ __forceinline__ void send_token_unit(const i64* s_peer, int rank, int max_tokens, i64 off_recv_x,
+__device__ __forceinline__ void send_token_unit(const i64* s_peer, int rank, int max_tokens_per_rank, i64 off_recv_x,
                                                 const void* x, int t, int chunk, u64 dests) {
-    typedef RowChunks<SEND_VPL> Chunks;
+    typedef RowParts<SEND_VPL> Chunks;
     const u64 others = dests & ~(1ull << rank);
     if (others == 0ull) return;
-    const i64 row_offset = off_recv_x + (static_cast<i64>(rank) * max_tokens + t) * ROW_BYTES;
+    const i64 row_offset = off_recv_x + (static_cast<i64>(rank) * max_tokens_per_rank + t) * ROW_BYTES;
     const int v0 = chunk * Chunks::kVecs + (threadIdx.x & 31);
     Vec16 vals[SEND_VPL];
     load_unit<SEND_VPL, kUserInput>(static_cast<const u8*>(x) + static_cast<i64>(t) * ROW_BYTES, vals, v0);
-#if TRANSPORT_PUT
+#if PUT_TRANSPORT
     const u8* staged = reinterpret_cast<const u8*>(s_peer[rank] + row_offset);
     store_unit<SEND_VPL>(const_cast<u8*>(staged), vals, v0);
     for (u64 m = others; m != 0ull; m &= m - 1ull) {
@@ -114,13 +114,13 @@ __device__ __forceinline__ i64 load_expert_id(const void* topk_idx, int idx_is_6
 }
 
 // Warp-wide: the route of a token from every lane's load_expert_id.
-__device__ __forceinline__ TokenRoute route_expert_ids(i64 expert, int num_experts, int local_experts) {
+__device__ __forceinline__ TokenRoute route_expert_ids(i64 expert, int num_experts, int num_local_experts) {
     const int lane = threadIdx.x & 31;
     TokenRoute route;
     route.expert = expert;
     const bool valid = lane < TOPK && route.expert >= 0 && route.expert < num_experts;
-    route.dest = valid ? static_cast<int>(route.expert / local_experts) : -1;
-    route.local = valid ? static_cast<int>(route.expert - static_cast<i64>(route.dest) * local_experts) : -1;
+    route.dest = valid ? static_cast<int>(route.expert / num_local_experts) : -1;
+    route.local = valid ? static_cast<int>(route.expert - static_cast<i64>(route.dest) * num_local_experts) : -1;
     // One leader lane per destination rank: the token crosses each link once.
     const u32 same_dest = __match_any_sync(FULL_MASK, route.dest);
     const bool leader = valid && (same_dest & lanemask_lt()) == 0;
@@ -129,8 +129,8 @@ __device__ __forceinline__ TokenRoute route_expert_ids(i64 expert, int num_exper
 }
 
 __device__ __forceinline__ TokenRoute route_token(const void* topk_idx, int idx_is_64, int t, int num_experts,
-                                                  int local_experts) {
-    return route_expert_ids(load_expert_id(topk_idx, idx_is_64, t), num_experts, local_experts);
+                                                  int num_local_experts) {
+    return route_expert_ids(load_expert_id(topk_idx, idx_is_64, t), num_experts, num_local_experts);
 }
 
 // Block-wide, blocks [0, meta_blocks), one warp per token: the metadata row of every token t < T
@@ -138,14 +138,14 @@ __device__ __forceinline__ TokenRoute route_token(const void* topk_idx, int idx_
 // warp first waits until ack[0][r] >= e - 1 for every rank r (r has finished reading what this
 // rank sent it at the previous epoch), its first token's inputs loading meanwhile; so every
 // store of the block after its next barrier (the counts, the flags, the senders' rows) is safe.
-__device__ __forceinline__ void send_metadata(const i64* s_peer, int rank, int world, int max_tokens, u64 epoch,
+__device__ __forceinline__ void send_metadata(const i64* s_peer, int rank, int world, int max_tokens_per_rank, u64 epoch,
                                               i64* status, i64 timeout_ns, i64 off_meta, int num_experts,
                                               int meta_blocks, const void* topk_idx, int idx_is_64,
                                               const float* topk_weights, int num_tokens, u8* send_mask,
                                               i32* dest_rank) {
     const int lane = threadIdx.x & 31;
     const int warps = blockDim.x >> 5;
-    const int local_experts = num_experts / world;
+    const int num_local_experts = num_experts / world;
     i64 num_invalid = 0;
     i64 first_invalid = NO_OFFENDER;
     bool acked = false;
@@ -157,7 +157,7 @@ __device__ __forceinline__ void send_metadata(const i64* s_peer, int rank, int w
         const i64 expert = load_expert_id(topk_idx, idx_is_64, t);
         const u32 weight = lane < TOPK ? __float_as_uint(topk_weights[static_cast<i64>(t) * TOPK + lane]) : 0u;
         if (!acked) wait_acks();
-        const TokenRoute route = route_expert_ids(expert, num_experts, local_experts);
+        const TokenRoute route = route_expert_ids(expert, num_experts, num_local_experts);
         const u32 invalid = __ballot_sync(FULL_MASK, lane < TOPK && route.expert != -1 && route.dest < 0);
         if (invalid != 0u) {
             num_invalid += __popc(invalid);
@@ -171,7 +171,7 @@ __device__ __forceinline__ void send_metadata(const i64* s_peer, int rank, int w
             dest_rank[i] = route.dest;
             for (int r = 0; r < world; ++r) {
                 u32* row = reinterpret_cast<u32*>(s_peer[r] + off_meta) +
-                           (static_cast<i64>(rank) * max_tokens + t) * META_WORDS;
+                           (static_cast<i64>(rank) * max_tokens_per_rank + t) * META_WORDS;
                 remote_st32(row + lane, static_cast<u32>(route.dest == r ? route.local : -1), r);
                 remote_st32(row + TOPK + lane, weight, r);
             }
@@ -186,13 +186,13 @@ __device__ __forceinline__ void send_metadata(const i64* s_peer, int rank, int w
 // warps move one unit per round; tokens [c * chunk_tokens, (c + 1) * chunk_tokens) form chunk c,
 // and after the round that moved a chunk's last unit, the last sender block to get there
 // release-stores chunk[c][R] = e into every rank's flags, so receivers expand while rows land.
-__device__ __forceinline__ void send_token_rows(u64* state, const i64* s_peer, int rank, int world, int max_tokens,
+__device__ __forceinline__ void send_token_rows(u64* state, const i64* s_peer, int rank, int world, int max_tokens_per_rank,
                                                 u64 epoch, i64 off_recv_x, int num_experts, int num_senders,
                                                 int chunk_tokens, const void* x, const void* topk_idx,
                                                 int idx_is_64, int num_tokens) {
-    typedef RowChunks<SEND_VPL> Chunks;
+    typedef RowParts<SEND_VPL> Chunks;
     const int warps = blockDim.x >> 5;
-    const int local_experts = num_experts / world;
+    const int num_local_experts = num_experts / world;
     const i64 num_units = static_cast<i64>(num_tokens) * Chunks::kPerRow;
     const i64 per_round = static_cast<i64>(num_senders) * warps;
     const i64 rounds = (num_units + per_round - 1) / per_round;
@@ -203,8 +203,8 @@ __device__ __forceinline__ void send_token_rows(u64* state, const i64* s_peer, i
         if (unit < num_units) {
             const int t = static_cast<int>(unit / Chunks::kPerRow);
             const int part = static_cast<int>(unit - static_cast<i64>(t) * Chunks::kPerRow);
-            const TokenRoute route = route_token(topk_idx, idx_is_64, t, num_experts, local_experts);
-            send_token_unit(s_peer, rank, max_tokens, off_recv_x, x, t, part, route.dest_set);
+            const TokenRoute route = route_token(topk_idx, idx_is_64, t, num_experts, num_local_experts);
+            send_token_unit(s_peer, rank, max_tokens_per_rank, off_recv_x, x, t, part, route.dest_set);
         }
         for (; chunk < chunks; ++chunk) {
             const i64 last_token = imin64(static_cast<i64>(chunk + 1) * chunk_tokens, num_tokens) - 1;
@@ -218,9 +218,9 @@ __device__ __forceinline__ void send_token_rows(u64* state, const i64* s_peer, i
 
 // Rows only, along an existing routing: x [T, H] row t goes to recv_x[R][t] of every other rank r
 // with send_mask[t, r] (blocks [0, num_senders)).
-__device__ __forceinline__ void send_rows(const i64* s_peer, int rank, int world, int max_tokens, i64 off_recv_x,
+__device__ __forceinline__ void send_rows(const i64* s_peer, int rank, int world, int max_tokens_per_rank, i64 off_recv_x,
                                           int num_senders, const void* x, int num_tokens, const u8* send_mask) {
-    typedef RowChunks<SEND_VPL> Chunks;
+    typedef RowParts<SEND_VPL> Chunks;
     const int warps = blockDim.x >> 5;
     const i64 num_units = static_cast<i64>(num_tokens) * Chunks::kPerRow;
     for (i64 unit = static_cast<i64>(blockIdx.x) * warps + (threadIdx.x >> 5); unit < num_units;
@@ -228,7 +228,7 @@ __device__ __forceinline__ void send_rows(const i64* s_peer, int rank, int world
         const int t = static_cast<int>(unit / Chunks::kPerRow);
         const int chunk = static_cast<int>(unit - static_cast<i64>(t) * Chunks::kPerRow);
         const u64 dests = warp_dest_set(send_mask + static_cast<i64>(t) * world, world);
-        send_token_unit(s_peer, rank, max_tokens, off_recv_x, x, t, chunk, dests);
+        send_token_unit(s_peer, rank, max_tokens_per_rank, off_recv_x, x, t, chunk, dests);
     }
 }
 
@@ -236,14 +236,14 @@ __device__ __forceinline__ void send_rows(const i64* s_peer, int rank, int world
 
 // The slab row g = s * M + t of virtual row v (rows t < T_s of all sources concatenated): s is
 // the largest source with begin[s] <= v.
-__device__ __forceinline__ i64 slab_row_of(const i64* begin, int world, int max_tokens, i64 v) {
+__device__ __forceinline__ i64 slab_row_of(const i64* begin, int world, int max_tokens_per_rank, i64 v) {
     int lo = 0, hi = world - 1;
     while (lo < hi) {
         const int mid = (lo + hi + 1) >> 1;
         if (begin[mid] <= v) lo = mid;
         else hi = mid - 1;
     }
-    return static_cast<i64>(lo) * max_tokens + (v - begin[lo]);
+    return static_cast<i64>(lo) * max_tokens_per_rank + (v - begin[lo]);
 }
 
 // The entries of LAYOUT_BATCH consecutive tiles of a warp, one lane per entry (k) of a row.
@@ -257,7 +257,7 @@ struct TileBatch {
 // total_rows (tile i holds rows [i * rows_per_tile, (i + 1) * rows_per_tile)) from the metadata
 // slabs `meta` [W * M, META_WORDS]; all of the batch's loads are issued before any is used.
 __device__ __forceinline__ void load_tile_batch(TileBatch& batch, const u32* meta, const i64* begin, int world,
-                                                int max_tokens, int num_local, i64 tile0, i64 tile_end,
+                                                int max_tokens_per_rank, int num_local_experts, i64 tile0, i64 tile_end,
                                                 i64 total_rows, bool with_weights) {
     const int rows_per_tile = 32 / TOPK;
     const int lane = threadIdx.x & 31;
@@ -270,9 +270,9 @@ __device__ __forceinline__ void load_tile_batch(TileBatch& batch, const u32* met
         batch.rows[b] = -1;
         const i64 v = (tile0 + b) * rows_per_tile + tile_row;
         if (tile_row < rows_per_tile && tile0 + b < tile_end && v < total_rows) {
-            const i64 g = slab_row_of(begin, world, max_tokens, v);
+            const i64 g = slab_row_of(begin, world, max_tokens_per_rank, v);
             const int j = static_cast<int>(meta[g * META_WORDS + k]);
-            batch.ids[b] = j >= 0 && j < num_local ? j : -1;
+            batch.ids[b] = j >= 0 && j < num_local_experts ? j : -1;
             if (with_weights) batch.weights[b] = __uint_as_float(meta[g * META_WORDS + TOPK + k]);
             batch.rows[b] = g;
         }
@@ -280,30 +280,30 @@ __device__ __forceinline__ void load_tile_batch(TileBatch& batch, const u32* met
 }
 
 // Block-wide, on `blocks` blocks (this one is number `block` of them), after every source's
-// metadata was acquired: the layout (see the top of this file). smem: (warps + 3) * num_local
+// metadata was acquired: the layout (see the top of this file). smem: (warps + 3) * num_local_experts
 // int32 of dynamic shared memory (per-warp counts, block totals, earlier blocks' counts, segment
-// starts). block_counts [blocks, num_local] int32 and block_flags [blocks] u64 are local scratch
+// starts). block_counts [blocks, num_local_experts] int32 and barrier_flags [blocks] u64 are local scratch
 // (flags start at 0).
-__device__ __forceinline__ void layout_entries(i32* smem, i64 base, int rank, int world, int max_tokens, u64 epoch,
-                                               i64* status, i64 timeout_ns, i64 off_meta, int num_local,
+__device__ __forceinline__ void layout_entries(i32* smem, i64 base, int rank, int world, int max_tokens_per_rank, u64 epoch,
+                                               i64* status, i64 timeout_ns, i64 off_meta, int num_local_experts,
                                                int alignment, int capacity, int block, int blocks, i32* recv_pos,
                                                float* recv_weight, i32* expert_offsets, i32* tokens_per_expert,
-                                               i32* block_counts, u64* block_flags) {
+                                               i32* block_counts, u64* barrier_flags) {
     __shared__ i32 s_tokens[MAX_WORLD];
     __shared__ i64 s_begin[MAX_WORLD + 1];
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int warps = blockDim.x >> 5;
-    i32* s_count = smem;                           // [warps][num_local]
-    i32* s_total = smem + warps * num_local;       // [num_local]: this block's, then every block's
-    i32* s_before = s_total + num_local;           // [num_local]: entries of the blocks before this one
-    i32* s_start = s_before + num_local;           // [num_local]
+    i32* s_count = smem;                           // [warps][num_local_experts]
+    i32* s_total = smem + warps * num_local_experts;       // [num_local_experts]: this block's, then every block's
+    i32* s_before = s_total + num_local_experts;           // [num_local_experts]: entries of the blocks before this one
+    i32* s_start = s_before + num_local_experts;           // [num_local_experts]
 
     for (int p = threadIdx.x; p < world; p += blockDim.x) {
         const u64 count = ld_relaxed_sys(flag_at(base, world, CH_TO_DEST, FLAG_COUNT, p));
-        s_tokens[p] = count > static_cast<u64>(max_tokens) ? max_tokens : static_cast<int>(count);
+        s_tokens[p] = count > static_cast<u64>(max_tokens_per_rank) ? max_tokens_per_rank : static_cast<int>(count);
     }
-    for (int i = threadIdx.x; i < warps * num_local; i += blockDim.x) s_count[i] = 0;
+    for (int i = threadIdx.x; i < warps * num_local_experts; i += blockDim.x) s_count[i] = 0;
     __syncthreads();
     if (threadIdx.x == 0) {
         i64 acc = 0;
@@ -330,14 +330,14 @@ __device__ __forceinline__ void layout_entries(i32* smem, i64 base, int rank, in
     const i64 tile_begin = imin64(block_end, block_begin + warp * per_warp);
     const i64 tile_end = imin64(block_end, tile_begin + per_warp);
     const u32 row_lanes = TOPK == 32 ? FULL_MASK : ((1u << (TOPK & 31)) - 1u) << ((tile_row * TOPK) & 31);
-    i32* my_count = s_count + warp * num_local;
+    i32* my_count = s_count + warp * num_local_experts;
 
     // Pass 1: per-warp counts per local expert. A warp with one batch (decode sizes) keeps its
     // entries, weights too, in registers for pass 2: one round trip to the metadata fewer.
     const bool one_batch = tile_end - tile_begin <= LAYOUT_BATCH;
     TileBatch entries;
     for (i64 tile0 = tile_begin; tile0 < tile_end; tile0 += LAYOUT_BATCH) {
-        load_tile_batch(entries, meta, s_begin, world, max_tokens, num_local, tile0, tile_end, total_rows, one_batch);
+        load_tile_batch(entries, meta, s_begin, world, max_tokens_per_rank, num_local_experts, tile0, tile_end, total_rows, one_batch);
 #pragma unroll
         for (int b = 0; b < LAYOUT_BATCH; ++b) {
             if (tile0 + b >= tile_end) break;  // the warp's last batch may be short
@@ -348,11 +348,11 @@ __device__ __forceinline__ void layout_entries(i32* smem, i64 base, int rank, in
     __syncthreads();
 
     // Exclusive prefix over warps (each warp's first rank per expert) and totals.
-    for (int j = threadIdx.x; j < num_local; j += blockDim.x) {
+    for (int j = threadIdx.x; j < num_local_experts; j += blockDim.x) {
         int run = 0;
         for (int w = 0; w < warps; ++w) {
-            const int c = s_count[w * num_local + j];
-            s_count[w * num_local + j] = run;
+            const int c = s_count[w * num_local_experts + j];
+            s_count[w * num_local_experts + j] = run;
             run += c;
         }
         s_total[j] = run;
@@ -363,12 +363,12 @@ __device__ __forceinline__ void layout_entries(i32* smem, i64 base, int rank, in
     // the entries of the blocks before this one (they hold the earlier tiles) and every block's
     // totals. One block (decode sizes) has them all already.
     if (blocks > 1) {
-        for (int j = threadIdx.x; j < num_local; j += blockDim.x) block_counts[block * num_local + j] = s_total[j];
-        blocks_barrier(block_flags, block, 0, blocks, epoch, status, rank, timeout_ns);
-        for (int j = threadIdx.x; j < num_local; j += blockDim.x) {
+        for (int j = threadIdx.x; j < num_local_experts; j += blockDim.x) block_counts[block * num_local_experts + j] = s_total[j];
+        blocks_barrier(barrier_flags, block, 0, blocks, epoch, status, rank, timeout_ns);
+        for (int j = threadIdx.x; j < num_local_experts; j += blockDim.x) {
             int before = 0, total = 0;
             for (int b = 0; b < blocks; ++b) {
-                const int c = ld_relaxed_gpu_i32(block_counts + b * num_local + j);
+                const int c = ld_relaxed_gpu_i32(block_counts + b * num_local_experts + j);
                 before += b < block ? c : 0;
                 total += c;
             }
@@ -376,12 +376,12 @@ __device__ __forceinline__ void layout_entries(i32* smem, i64 base, int rank, in
             s_total[j] = total;
         }
     } else {
-        for (int j = threadIdx.x; j < num_local; j += blockDim.x) s_before[j] = 0;
+        for (int j = threadIdx.x; j < num_local_experts; j += blockDim.x) s_before[j] = 0;
     }
     __syncthreads();
 
     // Kept counts, aligned segments and their cumulative ends.
-    block_inclusive_scan(num_local, [&](int j) {
+    block_inclusive_scan(num_local_experts, [&](int j) {
         const int kept = min(s_total[j], capacity);
         return (kept + alignment - 1) / alignment * alignment;
     }, [&](int j, int segment, int end) {
@@ -397,7 +397,7 @@ __device__ __forceinline__ void layout_entries(i32* smem, i64 base, int rank, in
     i64 first_dropped = NO_OFFENDER;
     for (i64 tile0 = tile_begin; tile0 < tile_end; tile0 += LAYOUT_BATCH) {
         if (!one_batch) {
-            load_tile_batch(entries, meta, s_begin, world, max_tokens, num_local, tile0, tile_end, total_rows, true);
+            load_tile_batch(entries, meta, s_begin, world, max_tokens_per_rank, num_local_experts, tile0, tile_end, total_rows, true);
         }
 #pragma unroll
         for (int b = 0; b < LAYOUT_BATCH; ++b) {
@@ -419,8 +419,8 @@ __device__ __forceinline__ void layout_entries(i32* smem, i64 base, int rank, in
                     } else {
                         pos = -2;
                         ++num_dropped;
-                        const i64 s = g / max_tokens;
-                        first_dropped = imin64(first_dropped, (s << 32) | (g - s * max_tokens));
+                        const i64 s = g / max_tokens_per_rank;
+                        first_dropped = imin64(first_dropped, (s << 32) | (g - s * max_tokens_per_rank));
                     }
                 }
                 recv_pos[g * TOPK + k] = pos;
@@ -432,8 +432,8 @@ __device__ __forceinline__ void layout_entries(i32* smem, i64 base, int rank, in
 
     // Rows t >= T_s of every slab are empty.
     for (int s = 0; s < world; ++s) {
-        const i64 begin = (static_cast<i64>(s) * max_tokens + s_tokens[s]) * TOPK;
-        const i64 end = static_cast<i64>(s + 1) * max_tokens * TOPK;
+        const i64 begin = (static_cast<i64>(s) * max_tokens_per_rank + s_tokens[s]) * TOPK;
+        const i64 end = static_cast<i64>(s + 1) * max_tokens_per_rank * TOPK;
         for (i64 i = begin + static_cast<i64>(block) * blockDim.x + threadIdx.x; i < end;
              i += static_cast<i64>(blocks) * blockDim.x) {
             recv_pos[i] = -1;
@@ -453,8 +453,8 @@ __device__ __forceinline__ void layout_entries(i32* smem, i64 base, int rank, in
 // before any peer's arrive), or every other rank's.
 enum SlabRows { ALL_SLABS, OWN_SLAB };
 
-__device__ __forceinline__ BatchShape slab_rows(SlabRows set, int rank, int world, int max_tokens, int blocks) {
-    const i64 m = max_tokens;
+__device__ __forceinline__ BatchShape slab_rows(SlabRows set, int rank, int world, int max_tokens_per_rank, int blocks) {
+    const i64 m = max_tokens_per_rank;
     if (set == OWN_SLAB) return batch_shape(m, blocks, rank * m);
     return batch_shape(world * m, blocks);
 }
@@ -465,12 +465,12 @@ __device__ __forceinline__ BatchShape slab_rows(SlabRows set, int rank, int worl
 // before a flag this block acquired. A call whose waits timed out may carry own rows past
 // num_tokens: they are skipped.
 __device__ __forceinline__ void copy_listed_rows(const RowBatch& batch, int listed, const u8* recv, const u8* x,
-                                                 int num_tokens, int rank, int max_tokens, int capacity_rows,
+                                                 int num_tokens, int rank, int max_tokens_per_rank, int capacity_rows,
                                                  u8* out) {
-    typedef RowChunks<EXPAND_VPL> Chunks;
+    typedef RowParts<EXPAND_VPL> Chunks;
     const int lane = threadIdx.x & 31;
     const int warps = blockDim.x >> 5;
-    const i64 own_first = static_cast<i64>(rank) * max_tokens;
+    const i64 own_first = static_cast<i64>(rank) * max_tokens_per_rank;
     for (int unit = threadIdx.x >> 5; unit < listed * Chunks::kPerRow; unit += warps) {
         const int r = batch.list[unit / Chunks::kPerRow];
         const int chunk = unit - (unit / Chunks::kPerRow) * Chunks::kPerRow;
@@ -479,7 +479,7 @@ __device__ __forceinline__ void copy_listed_rows(const RowBatch& batch, int list
         const i64 g = batch.row[r];
         const int v0 = chunk * Chunks::kVecs + lane;
         Vec16 vals[EXPAND_VPL];
-        if (g >= own_first && g < own_first + max_tokens) {
+        if (g >= own_first && g < own_first + max_tokens_per_rank) {
             if (g - own_first >= num_tokens) continue;
             load_unit<EXPAND_VPL, kUserInput>(x + (g - own_first) * ROW_BYTES, vals, v0);
         } else {
@@ -495,11 +495,11 @@ __device__ __forceinline__ void copy_listed_rows(const RowBatch& batch, int list
 // Block-wide, blocks [first_block, gridDim.x): expand every carried slab row of `shape`'s set
 // (recv_pos [W * M, K] may have been written by other blocks of this kernel: plain loads).
 __device__ __forceinline__ void expand_rows(RowBatch& batch, const BatchShape& shape, int first_block, const u8* recv,
-                                            const u8* x, int num_tokens, int rank, int max_tokens,
+                                            const u8* x, int num_tokens, int rank, int max_tokens_per_rank,
                                             const i32* recv_pos, int capacity_rows, u8* out) {
     for (i64 q = blockIdx.x - first_block; q < shape.count; q += gridDim.x - first_block) {
         const int listed = block_load_batch(batch, recv_pos, nullptr, shape, q, 0);
-        copy_listed_rows(batch, listed, recv, x, num_tokens, rank, max_tokens, capacity_rows, out);
+        copy_listed_rows(batch, listed, recv, x, num_tokens, rank, max_tokens_per_rank, capacity_rows, out);
         __syncthreads();  // the batch is overwritten next
     }
 }
@@ -509,7 +509,7 @@ __device__ __forceinline__ void expand_rows(RowBatch& batch, const BatchShape& s
 // slab s form pieces p = c * (W - 1) + i (chunk c of the i-th other rank), numbered in that
 // order and cut into batches of consecutive rows, so the blocks sweep the chunks in the order the
 // senders complete them; before a batch, thread j waits for the chunk flag of row j.
-__device__ __forceinline__ void expand_arrivals(RowBatch& batch, i64 base, int rank, int world, int max_tokens,
+__device__ __forceinline__ void expand_arrivals(RowBatch& batch, i64 base, int rank, int world, int max_tokens_per_rank,
                                                 int chunk_tokens, u64 epoch, i64* status, i64 timeout_ns,
                                                 int first_block, const u8* recv, const i32* recv_pos,
                                                 int capacity_rows, u8* out) {
@@ -521,7 +521,7 @@ __device__ __forceinline__ void expand_arrivals(RowBatch& batch, i64 base, int r
         const int i = p % others;
         const int s = i < rank ? i : i + 1;
         const u64 count = ld_relaxed_sys(flag_at(base, world, CH_TO_DEST, FLAG_COUNT, s));
-        const int tokens = count > static_cast<u64>(max_tokens) ? max_tokens : static_cast<int>(count);
+        const int tokens = count > static_cast<u64>(max_tokens_per_rank) ? max_tokens_per_rank : static_cast<int>(count);
         return min(max(tokens - (p / others) * chunk_tokens, 0), chunk_tokens);
     }, [&](int p, int rows, int inclusive) { s_piece[p] = inclusive - rows; });
 
@@ -542,7 +542,7 @@ __device__ __forceinline__ void expand_arrivals(RowBatch& batch, i64 base, int r
         const int i = lo % others;
         piece = lo;
         source = i < rank ? i : i + 1;
-        return static_cast<i64>(source) * max_tokens + (lo / others) * static_cast<i64>(chunk_tokens) +
+        return static_cast<i64>(source) * max_tokens_per_rank + (lo / others) * static_cast<i64>(chunk_tokens) +
                (v - s_piece[lo]);
     };
     for (i64 q = blockIdx.x - first_block; q * rows < total; q += blocks) {
@@ -559,34 +559,34 @@ __device__ __forceinline__ void expand_arrivals(RowBatch& batch, i64 base, int r
             int piece, source;
             return locate(v, piece, source);
         }, 0);
-        copy_listed_rows(batch, listed, recv, nullptr, 0, rank, max_tokens, capacity_rows, out);
+        copy_listed_rows(batch, listed, recv, nullptr, 0, rank, max_tokens_per_rank, capacity_rows, out);
         __syncthreads();  // the batch is overwritten next
     }
 }
 
-// Block-wide: the segments of the local experts in shared memory [num_local] each: s_end (their
+// Block-wide: the segments of the local experts in shared memory [num_local_experts] each: s_end (their
 // ends, expert_offsets), s_kept (rows kept, tokens_per_expert) and s_pad (padding rows of the
 // experts up to and including j, cumulative). expert_offsets and tokens_per_expert were written
 // by the layout's first block before a barrier this block passed: coherent loads.
 __device__ __forceinline__ void load_segments(i32* s_end, i32* s_kept, i32* s_pad, const i32* expert_offsets,
-                                              const i32* tokens_per_expert, int num_local) {
-    for (int j = threadIdx.x; j < num_local; j += blockDim.x) {
+                                              const i32* tokens_per_expert, int num_local_experts) {
+    for (int j = threadIdx.x; j < num_local_experts; j += blockDim.x) {
         s_end[j] = ld_relaxed_gpu_i32(expert_offsets + j);
         s_kept[j] = ld_relaxed_gpu_i32(tokens_per_expert + j);
     }
     __syncthreads();
-    block_inclusive_scan(num_local, [&](int j) { return s_end[j] - (j == 0 ? 0 : s_end[j - 1]) - s_kept[j]; },
+    block_inclusive_scan(num_local_experts, [&](int j) { return s_end[j] - (j == 0 ? 0 : s_end[j - 1]) - s_kept[j]; },
                          [&](int j, int, int pad) { s_pad[j] = pad; });
 }
 
 // Block-wide, blocks [first_block, gridDim.x): zero the padding rows [start_j + n_j, end_j) of
 // every segment (from load_segments), one warp per (padding row, row chunk).
-__device__ __forceinline__ void zero_padding(const i32* s_end, const i32* s_kept, const i32* s_pad, int num_local,
+__device__ __forceinline__ void zero_padding(const i32* s_end, const i32* s_kept, const i32* s_pad, int num_local_experts,
                                              int capacity_rows, int first_block, u8* out) {
-    typedef RowChunks<EXPAND_VPL> Chunks;
+    typedef RowParts<EXPAND_VPL> Chunks;
     const int lane = threadIdx.x & 31;
     const int warps = blockDim.x >> 5;
-    const i64 pad_units = static_cast<i64>(s_pad[num_local - 1]) * Chunks::kPerRow;
+    const i64 pad_units = static_cast<i64>(s_pad[num_local_experts - 1]) * Chunks::kPerRow;
     Vec16 zeros[EXPAND_VPL];
 #pragma unroll
     for (int u = 0; u < EXPAND_VPL; ++u) zeros[u] = zero16();
@@ -594,7 +594,7 @@ __device__ __forceinline__ void zero_padding(const i32* s_end, const i32* s_kept
          unit += static_cast<i64>(gridDim.x - first_block) * warps) {
         const int p = static_cast<int>(unit / Chunks::kPerRow);
         const int chunk = static_cast<int>(unit - static_cast<i64>(p) * Chunks::kPerRow);
-        int lo = 0, hi = num_local - 1;  // the first expert j with s_pad[j] > p
+        int lo = 0, hi = num_local_experts - 1;  // the first expert j with s_pad[j] > p
         while (lo < hi) {
             const int mid = (lo + hi) >> 1;
             if (s_pad[mid] > p) hi = mid;
@@ -611,12 +611,12 @@ __device__ __forceinline__ void zero_padding(const i32* s_end, const i32* s_kept
 // One block per SM (gridDim.x <= SMs: blocks wait for each other). Blocks [0, num_senders) send;
 // the blocks after them (the early group; every block when all send), the last layout_blocks of
 // them laying out, receive while the senders still send. Dynamic shared memory: the layout's
-// (blockDim.x / 32 + 3) * num_local int32. block_counts [layout_blocks, num_local] int32 and
-// grid_flags [2, gridDim.x] u64 (zero at first) are this kernel's local scratch.
+// (blockDim.x / 32 + 3) * num_local_experts int32. block_counts [layout_blocks, num_local_experts] int32 and
+// barrier_flags [2, gridDim.x] u64 (zero at first) are this kernel's local scratch.
 extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) dispatch(
-    const i64* __restrict__ peers, int rank, int world, int max_tokens, u64* state, i64* status, i64 timeout_ns,
-    i64 off_meta, i64 off_recv_x, int num_experts, int chunk_tokens, int num_local, int alignment, int capacity,
-    i32* block_counts, u64* grid_flags, int capacity_rows,
+    const i64* __restrict__ peers, int rank, int world, int max_tokens_per_rank, u64* state, i64* status, i64 timeout_ns,
+    i64 off_meta, i64 off_recv_x, int num_experts, int chunk_tokens, int num_local_experts, int alignment, int capacity,
+    i32* block_counts, u64* barrier_flags, int capacity_rows,
     int num_senders, int layout_blocks, const void* __restrict__ x, const void* __restrict__ topk_idx, int idx_is_64,
     const float* __restrict__ topk_weights, int num_tokens, u8* __restrict__ send_mask, i32* __restrict__ dest_rank,
     i32* recv_pos, float* recv_weight, i32* expert_offsets, i32* tokens_per_expert, void* __restrict__ out_x) {
@@ -637,14 +637,14 @@ extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) dispatch(
     const int warps = blockDim.x >> 5;
     const int meta_blocks = max(max(num_senders, 1), min(grid, (num_tokens + warps - 1) / warps));
     if (block < meta_blocks) {
-        send_metadata(s_peer, rank, world, max_tokens, epoch, status, timeout_ns, off_meta, num_experts, meta_blocks,
+        send_metadata(s_peer, rank, world, max_tokens_per_rank, epoch, status, timeout_ns, off_meta, num_experts, meta_blocks,
                       topk_idx, idx_is_64, topk_weights, num_tokens, send_mask, dest_rank);
         if (last_block_done(state + STATE_DONE + SLOT_DISPATCH_META, meta_blocks)) {
             signal_every_rank(s_peer, rank, world, CH_TO_DEST, FLAG_META, epoch, true, static_cast<u64>(num_tokens));
         }
     }
     if (block < num_senders) {
-        send_token_rows(state, s_peer, rank, world, max_tokens, epoch, off_recv_x, num_experts, num_senders,
+        send_token_rows(state, s_peer, rank, world, max_tokens_per_rank, epoch, off_recv_x, num_experts, num_senders,
                         chunk_tokens, x, topk_idx, idx_is_64, num_tokens);
     }
 
@@ -652,17 +652,17 @@ extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) dispatch(
         block_wait_flags(s_peer[rank], world, CH_TO_DEST, FLAG_META, epoch, status, TIMEOUT_TO_DEST_ARRIVAL,
                          timeout_ns);
         if (block >= layout_first) {
-            layout_entries(smem, s_peer[rank], rank, world, max_tokens, epoch, status, timeout_ns, off_meta,
-                           num_local, alignment, capacity, block - layout_first, layout_blocks, recv_pos, recv_weight,
-                           expert_offsets, tokens_per_expert, block_counts, grid_flags);
+            layout_entries(smem, s_peer[rank], rank, world, max_tokens_per_rank, epoch, status, timeout_ns, off_meta,
+                           num_local_experts, alignment, capacity, block - layout_first, layout_blocks, recv_pos, recv_weight,
+                           expert_offsets, tokens_per_expert, block_counts, barrier_flags);
         }
-        blocks_barrier(grid_flags + grid, block, early, grid, epoch, status, rank, timeout_ns);
-        expand_rows(batch, slab_rows(OWN_SLAB, rank, world, max_tokens, grid - early), early, recv, rows, num_tokens,
-                    rank, max_tokens, recv_pos, capacity_rows, out);
+        blocks_barrier(barrier_flags + grid, block, early, grid, epoch, status, rank, timeout_ns);
+        expand_rows(batch, slab_rows(OWN_SLAB, rank, world, max_tokens_per_rank, grid - early), early, recv, rows, num_tokens,
+                    rank, max_tokens_per_rank, recv_pos, capacity_rows, out);
         // The segments only after the own rows: their loads would delay the first row copies.
-        load_segments(smem, smem + num_local, smem + 2 * num_local, expert_offsets, tokens_per_expert, num_local);
-        zero_padding(smem, smem + num_local, smem + 2 * num_local, num_local, capacity_rows, early, out);
-        expand_arrivals(batch, s_peer[rank], rank, world, max_tokens, chunk_tokens, epoch, status, timeout_ns, early,
+        load_segments(smem, smem + num_local_experts, smem + 2 * num_local_experts, expert_offsets, tokens_per_expert, num_local_experts);
+        zero_padding(smem, smem + num_local_experts, smem + 2 * num_local_experts, num_local_experts, capacity_rows, early, out);
+        expand_arrivals(batch, s_peer[rank], rank, world, max_tokens_per_rank, chunk_tokens, epoch, status, timeout_ns, early,
                         recv, recv_pos, capacity_rows, out);
     }
     acknowledge_and_advance(state, SLOT_DISPATCH_EXPAND, s_peer, rank, world, CH_TO_DEST, epoch);
@@ -671,7 +671,7 @@ extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) dispatch(
 // Rows only, along an existing routing (send_mask [T, W], recv_pos [W, M, K]): the same channel,
 // waits and signals as dispatch; rows no kept entry maps to are left as they were.
 extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) redispatch(
-    const i64* __restrict__ peers, int rank, int world, int max_tokens, u64* state, i64* status, i64 timeout_ns,
+    const i64* __restrict__ peers, int rank, int world, int max_tokens_per_rank, u64* state, i64* status, i64 timeout_ns,
     i64 off_recv_x, int capacity_rows, int num_senders, const void* __restrict__ x, int num_tokens,
     const u8* __restrict__ send_mask, const i32* __restrict__ recv_pos, void* __restrict__ out_x) {
     __shared__ i64 s_peer[MAX_WORLD];
@@ -681,15 +681,15 @@ extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) redispatch(
     if (static_cast<int>(blockIdx.x) < num_senders) {
         block_wait_flags(s_peer[rank], world, CH_TO_DEST, FLAG_ACK, epoch - 1, status, TIMEOUT_TO_DEST_ACK,
                          timeout_ns);
-        send_rows(s_peer, rank, world, max_tokens, off_recv_x, num_senders, x, num_tokens, send_mask);
+        send_rows(s_peer, rank, world, max_tokens_per_rank, off_recv_x, num_senders, x, num_tokens, send_mask);
         if (last_block_done(state + STATE_DONE + SLOT_REDISPATCH_SEND, num_senders)) {
             signal_every_rank(s_peer, rank, world, CH_TO_DEST, FLAG_ARRIVAL, epoch, false, 0);
         }
     }
     block_wait_flags(s_peer[rank], world, CH_TO_DEST, FLAG_ARRIVAL, epoch, status, TIMEOUT_TO_DEST_ARRIVAL,
                      timeout_ns);
-    expand_rows(batch, slab_rows(ALL_SLABS, rank, world, max_tokens, gridDim.x), 0,
+    expand_rows(batch, slab_rows(ALL_SLABS, rank, world, max_tokens_per_rank, gridDim.x), 0,
                 reinterpret_cast<const u8*>(s_peer[rank] + off_recv_x), static_cast<const u8*>(x), num_tokens, rank,
-                max_tokens, recv_pos, capacity_rows, static_cast<u8*>(out_x));
+                max_tokens_per_rank, recv_pos, capacity_rows, static_cast<u8*>(out_x));
     acknowledge_and_advance(state, SLOT_DISPATCH_EXPAND, s_peer, rank, world, CH_TO_DEST, epoch);
 }

@@ -2,23 +2,23 @@
 //
 // Every remote write of the kernels goes through the helpers below, so the two transports differ
 // only here:
-//   TRANSPORT_PUT 0 (vmm, nccl symmetric, nvshmem p2p): s_peer[r] is rank r's allocation mapped
+//   PUT_TRANSPORT 0 (vmm, nccl symmetric, nvshmem p2p): s_peer[r] is rank r's allocation mapped
 //     into this process; writes are plain stores over NVLink, flags are release stores.
-//   TRANSPORT_PUT 1 (nvshmem put): s_peer[r] is THIS rank's address of the symmetric allocation
+//   PUT_TRANSPORT 1 (nvshmem put): s_peer[r] is THIS rank's address of the symmetric allocation
 //     (the same for every r: NVSHMEM addresses a peer's copy by the local address plus the PE).
 //     Words and flags go as NVSHMEM value puts, rows as warp-wide NVSHMEM puts from a copy in this
 //     rank's own allocation (NVSHMEM may move only symmetric or registered memory to other nodes),
 //     and every thread completes its puts (nvshmem_quiet) before its block counts itself done.
 //
-// Built with TRANSPORT_PUT 1 only by moe_comm's nvshmem backend, which hands NVRTC the NVSHMEM and
+// Built with PUT_TRANSPORT 1 only by moe_comm's nvshmem backend, which hands NVRTC the NVSHMEM and
 // CCCL include directories and initialises the module's NVSHMEM state after loading it.
 #pragma once
 
-#ifndef TRANSPORT_PUT
-#define TRANSPORT_PUT 0
+#ifndef PUT_TRANSPORT
+#define PUT_TRANSPORT 0
 #endif
 
-#if TRANSPORT_PUT
+#if PUT_TRANSPORT
 // NVSHMEM's device API, header-only (every device function inlined), as NVRTC can compile it:
 // without the IB/GPUNetIO device paths (their headers need a full CUDA toolchain) and with the
 // std:: type traits the headers name taken from CCCL (NVRTC has no standard library).

@@ -5,7 +5,7 @@ reader finds them where the design names them. Three ways of running must all fi
 
 * an installed wheel: ``pyproject.toml`` maps the top-level folders into the package
   (``[tool.setuptools.package-dir]``: ``moe_comm.csrc = "csrc"``, ``moe_comm.configs = "configs"``),
-  so the wheel holds ``moe_comm/csrc`` and ``moe_comm/configs``;
+  so the wheel holds ``csrc`` and ``configs``;
 * an editable install and the source tree on ``PYTHONPATH`` (as on the GPU machines): the package
   has no such folders, and they are the siblings of the package directory.
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from . import layout
+from .routing import Routing, row_values
 from .backends.base import Backend, DispatchResult
 
 __all__ = ["dispatch_with_grad", "combine_with_grad"]
@@ -38,7 +38,7 @@ class _Dispatch(torch.autograd.Function):
 
 class _Combine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y, topk_weights, backend: Backend, routing: layout.Routing):
+    def forward(ctx, y, topk_weights, backend: Backend, routing: Routing):
         ctx.backend = backend
         ctx.routing = routing
         ctx.save_for_backward(y)
@@ -50,8 +50,8 @@ class _Combine(torch.autograd.Function):
         routing = ctx.routing
         spread = ctx.backend.redispatch(grad_z.contiguous(), routing).float()
         rows = y.shape[0]
-        row_weight = layout.row_values(routing.recv_pos, routing.recv_weight, rows)
-        row_used = layout.row_values(routing.recv_pos, torch.ones_like(routing.recv_weight), rows) > 0
+        row_weight = row_values(routing.recv_pos, routing.recv_weight, rows)
+        row_used = row_values(routing.recv_pos, torch.ones_like(routing.recv_weight), rows) > 0
         # Rows no entry maps to (padding, and rows past the last segment) get an exact zero,
         # so whatever they held cannot leak a NaN into the experts' weight gradients.
         grad_y = torch.where(row_used[:, None], spread * row_weight[:, None], torch.zeros_like(spread)).to(y.dtype)
@@ -70,7 +70,7 @@ def dispatch_with_grad(
 
 
 def combine_with_grad(
-    backend: Backend, y: torch.Tensor, topk_weights: torch.Tensor, routing: layout.Routing
+    backend: Backend, y: torch.Tensor, topk_weights: torch.Tensor, routing: Routing
 ) -> torch.Tensor:
     """``backend.combine`` recorded on the autograd tape: differentiable w.r.t. ``y`` and ``topk_weights``."""
     return _Combine.apply(y, topk_weights, backend, routing)

@@ -39,14 +39,14 @@ class _AssignmentRouting:
 
     def __init__(self, topk_idx: torch.Tensor, num_experts: int, world_size: int,
                  experts_per_chunk: Optional[int] = None) -> None:
-        self.local_experts = num_experts // world_size
+        self.num_local_experts = num_experts // world_size
         self.topk = topk_idx.shape[1]
         flat = topk_idx.reshape(-1).to(torch.int64)
-        self.dest = flat // self.local_experts
+        self.dest = flat // self.num_local_experts
         self.chunk = self.dest if experts_per_chunk is None else flat // experts_per_chunk
         self.order = torch.sort(self.chunk, stable=True).indices
         self.token_of = self.order // self.topk  # token of each sorted assignment
-        self.local_expert = (flat % self.local_experts)[self.order]
+        self.local_expert = (flat % self.num_local_experts)[self.order]
 
 
 def _counts(index: torch.Tensor, size: int) -> torch.Tensor:
@@ -55,9 +55,9 @@ def _counts(index: torch.Tensor, size: int) -> torch.Tensor:
     return counts.scatter_add_(0, index, torch.ones_like(index))
 
 
-def chunks_per_rank(local_experts: int, max_chunks: int) -> int:
-    """Expert blocks per rank for ``all_to_all_vdev_2d``: the largest divisor of ``local_experts`` <= ``max_chunks``."""
-    return max(d for d in range(1, min(local_experts, max_chunks) + 1) if local_experts % d == 0)
+def chunks_per_rank(num_local_experts: int, max_chunks: int) -> int:
+    """Expert blocks per rank for ``all_to_all_vdev_2d``: the largest divisor of ``num_local_experts`` <= ``max_chunks``."""
+    return max(d for d in range(1, min(num_local_experts, max_chunks) + 1) if num_local_experts % d == 0)
 
 
 def covered_rows(splits_offsets: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -97,7 +97,7 @@ class _AllToAllBaseline:
     def _group_by_expert(self, received: torch.Tensor, received_expert: torch.Tensor, routing: _AssignmentRouting,
                          topk_weights: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """Sort the received rows by local expert (stable; -1 padding last) and keep what combine needs."""
-        key = torch.where(received_expert >= 0, received_expert, routing.local_experts)
+        key = torch.where(received_expert >= 0, received_expert, routing.num_local_experts)
         self._by_expert = torch.sort(key, stable=True).indices
         self.row_expert = received_expert[self._by_expert]
         self._routing = routing
@@ -203,10 +203,10 @@ class SymmMemAllToAll2d(_AllToAllBaseline):
     carries its local expert id in 8 bytes appended to it, so that the receiver sorts by expert
     without a second exchange (the NCCL baselines send the ids with a second ``all_to_all_single``).
 
-    All buffers are NVSHMEM symmetric tensors allocated once, here (collective), for ``max_tokens``.
+    All buffers are NVSHMEM symmetric tensors allocated once, here (collective), for ``max_tokens_per_rank``.
 
     Args:
-        num_experts: E (a multiple of the world size). topk: K. max_tokens: the largest T dispatched.
+        num_experts: E (a multiple of the world size). topk: K. max_tokens_per_rank: the largest T dispatched.
         hidden: H. dtype: the dtype of ``x``. device: this rank's CUDA device, with an index.
         group: the process group (None: the default group).
 
@@ -242,17 +242,17 @@ class SymmMemAllToAll2d(_AllToAllBaseline):
             return f"num_experts={num_experts} is not a multiple of the world size {world_size}"
         return None
 
-    def __init__(self, num_experts: int, topk: int, max_tokens: int, hidden: int, dtype: torch.dtype,
+    def __init__(self, num_experts: int, topk: int, max_tokens_per_rank: int, hidden: int, dtype: torch.dtype,
                  device: torch.device, group=None) -> None:
         super().__init__(num_experts, group)
         self.device = device
-        local_experts = num_experts // self.world_size
-        self.num_chunks = chunks_per_rank(local_experts, min(self.MAX_CHUNKS_PER_RANK,
+        num_local_experts = num_experts // self.world_size
+        self.num_chunks = chunks_per_rank(num_local_experts, min(self.MAX_CHUNKS_PER_RANK,
                                                              self.MAX_SPLITS // self.world_size))
-        self._experts_per_chunk = local_experts // self.num_chunks
+        self._experts_per_chunk = num_local_experts // self.num_chunks
         self._hidden, self._dtype = hidden, dtype
         self._row_bytes = hidden * torch.empty((), dtype=dtype).element_size()
-        self.max_rows = max_tokens * topk  # rows this rank sends at most
+        self.max_rows = max_tokens_per_rank * topk  # rows this rank sends at most
         recv_rows = self.world_size * self.max_rows + self.num_chunks
         num_splits = self.world_size * self.num_chunks
         payload = self._row_bytes + self._ID_BYTES

@@ -513,7 +513,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list] = None) -> int:
     """Entry point of ``moe-comm bench`` and ``benchmarks/bench_dispatch_combine.py``."""
-    from .launch import run_ranks
+    from .spawn import run_ranks
 
     args = _parser().parse_args(argv)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0

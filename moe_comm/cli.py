@@ -4,8 +4,8 @@
   can run here and why not; which one ``backend: auto`` picks.
 * ``run``: the main job. Spawns one rank per local GPU (or, without GPUs, N CPU ranks on the
   ``reference`` backend), runs MoELayer forward+backward steps and checks every step against
-  the dense single-process reference (``moe_comm.verify``); prints a table; exits 1 if a check fails.
-* ``compile``: compiles every kernel in ``moe_comm/csrc`` for the given architectures with NVRTC
+  the dense single-process reference (``moe_comm.job``); prints a table; exits 1 if a check fails.
+* ``compile``: compiles every kernel in ``csrc`` for the given architectures with NVRTC
   (no GPU needed) into the kernel cache, and prints the cubin paths.
 
 Exit codes: 0 success, 1 a failed check or a runtime error, 2 a usage or configuration error.
@@ -237,7 +237,7 @@ def _nan_max(values) -> float:
 
 def _aggregate(per_rank: list, tolerance: float) -> list[dict]:
     """One row per step: errors and times maxed over ranks, tokens summed, statuses joined."""
-    from .verify import CHECKED
+    from .job import CHECKED
 
     rows = []
     for step_results in zip(*per_rank):
@@ -275,8 +275,8 @@ def _print_table(rows: list[dict], tolerance: float) -> None:
 def _cmd_run(args: argparse.Namespace) -> int:
     from .config import load_config
     from .errors import RankFailureError
-    from .launch import run_ranks
-    from .verify import TOLERANCE, RunOptions, run_rank
+    from .spawn import run_ranks
+    from .job import TOLERANCE, RunOptions, run_rank
 
     overrides = {} if args.backend is None else {"backend": args.backend}
     config = load_config(args.config, **overrides)
@@ -360,7 +360,7 @@ def _parser() -> argparse.ArgumentParser:
         "without GPUs N CPU ranks on the reference backend; runs forward+backward steps of MoELayer on "
         "random tokens and checks outputs and gradients against the dense single-process reference.",
     )
-    run.add_argument("--config", help="YAML config (default: the embedded moe_comm/configs/default.yaml)")
+    run.add_argument("--config", help="YAML config (default: the embedded configs/default.yaml)")
     run.add_argument("--backend", help="override the config's backend: auto, vmm, nvshmem, nccl or reference")
     run.add_argument("--steps", type=_positive, default=3, help="forward+backward steps (default 3)")
     run.add_argument("--ranks", type=_positive, help="CPU runs only: number of ranks (default 2)")

@@ -195,7 +195,7 @@ class Config:
         """The torch dtype named by ``dtype``."""
         return DTYPES[self.dtype]
 
-    def experts_per_rank(self, world_size: int) -> int:
+    def num_local_experts(self, world_size: int) -> int:
         """Local experts per rank for ``world_size`` ranks (after :meth:`check_world`)."""
         return self.num_experts // world_size
 
@@ -213,7 +213,7 @@ class Config:
         ``expert_alignment - 1`` padding rows. With ``expert_capacity`` each local expert keeps at
         most that many rows, rounded up to the alignment.
         """
-        local = self.experts_per_rank(world_size)
+        local = self.num_local_experts(world_size)
         align = self.expert_alignment
         lossless = world_size * self.max_tokens_per_rank * self.topk + local * (align - 1)
         if self.expert_capacity is None:

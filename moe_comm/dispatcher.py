@@ -9,7 +9,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import layout
+from . import protocol
+from .routing import Routing
 from .autograd import combine_with_grad, dispatch_with_grad
 from .backends import create_backend, host_identity, resolve_backend_name
 from .config import Config
@@ -32,7 +33,7 @@ class DispatchHandle:
     """
 
     dispatcher_id: int
-    routing: layout.Routing
+    routing: Routing
     topk_weights: torch.Tensor
 
 
@@ -81,7 +82,7 @@ class StatusReport:
 
 
 def _offender(key: int) -> Optional[tuple[int, int]]:
-    return None if key == layout.NO_OFFENDER else (key >> 32, key & 0xFFFFFFFF)
+    return None if key == protocol.NO_OFFENDER else (key >> 32, key & 0xFFFFFFFF)
 
 
 def _describe(name: str, tensor: torch.Tensor) -> str:
@@ -134,7 +135,7 @@ class Dispatcher:
         cuda_wanted = config.backend not in ("reference",) and torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda_wanted else torch.device("cpu")
         self.backend_name = resolve_backend_name(config, self.device, hosts)
-        self.num_local_experts = config.experts_per_rank(self.world_size)
+        self.num_local_experts = config.num_local_experts(self.world_size)
         self.capacity_rows = config.capacity_rows(self.world_size)
         self._id = next(_dispatcher_ids)
         self._backend = create_backend(self.backend_name, config, group, self.device)
@@ -251,14 +252,14 @@ class Dispatcher:
             phase, peer = stalled
             return StatusReport(0, None, 0, None, timeout_phase=phase, timeout_peer=peer)
         values = backend.status.tolist()
-        phase = values[layout.STATUS_TIMEOUT_PHASE]
+        phase = values[protocol.STATUS_TIMEOUT_PHASE]
         return StatusReport(
-            num_invalid=values[layout.STATUS_NUM_INVALID],
-            first_invalid=_offender(values[layout.STATUS_FIRST_INVALID]),
-            num_dropped=values[layout.STATUS_NUM_DROPPED],
-            first_dropped=_offender(values[layout.STATUS_FIRST_DROPPED]),
-            timeout_phase=layout.TIMEOUT_PHASES.get(phase, f"phase {phase}") if phase else None,
-            timeout_peer=values[layout.STATUS_TIMEOUT_PEER] if phase else None,
+            num_invalid=values[protocol.STATUS_NUM_INVALID],
+            first_invalid=_offender(values[protocol.STATUS_FIRST_INVALID]),
+            num_dropped=values[protocol.STATUS_NUM_DROPPED],
+            first_dropped=_offender(values[protocol.STATUS_FIRST_DROPPED]),
+            timeout_phase=protocol.TIMEOUT_PHASES.get(phase, f"phase {phase}") if phase else None,
+            timeout_peer=values[protocol.STATUS_TIMEOUT_PEER] if phase else None,
         )
 
     def check(self) -> None:
@@ -270,7 +271,7 @@ class Dispatcher:
         report = self.read_status()
         if report.ok:
             return
-        self._live_backend().status.copy_(layout.new_status(self.device))
+        self._live_backend().status.copy_(protocol.new_status(self.device))
         problems = []
         if report.timeout_phase:
             peer = "peer rank unknown" if report.timeout_peer is None else f"peer rank {report.timeout_peer}"

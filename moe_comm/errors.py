@@ -49,7 +49,7 @@ class DeviceStatusError(MoeCommError, RuntimeError):
 
 
 class RankFailureError(MoeCommError, RuntimeError):
-    """One or more ranks started by ``moe_comm.launch.run_ranks`` raised, crashed or hung.
+    """One or more ranks started by ``moe_comm.spawn.run_ranks`` raised, crashed or hung.
 
     The message holds every failed rank's report.
 

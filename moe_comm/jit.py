@@ -2,7 +2,7 @@
 
 Compile path and cache contract
 -------------------------------
-* Sources are ``moe_comm/csrc/<name>.cu`` (read with ``importlib.resources``); they may include
+* Sources are ``csrc/<name>.cu`` (read with ``importlib.resources``); they may include
   the package's headers as ``#include "<header>.cuh"`` (NVRTC has no standard headers). Every
   ``csrc/*.cuh`` is handed to NVRTC in memory, so what the compiler sees is exactly what the cache
   key hashes, also when the package is installed as a zip. A build may add a :class:`Toolchain`:
@@ -208,7 +208,7 @@ def _read_kernel(name: str) -> str:
     sources = _kernel_sources()
     if name not in sources:
         raise CompileError(
-            f"kernel name: got {name!r}, expected one of the sources in moe_comm/csrc: "
+            f"kernel name: got {name!r}, expected one of the sources in csrc: "
             f"{', '.join(sorted(sources)) or '(none)'}"
         )
     return sources[name].read_text(encoding="utf-8")
@@ -279,7 +279,7 @@ def compile_source(
     """Compile a kernel with NVRTC (or find it in the cache) and return the cubin's path.
 
     Args:
-        name: the kernel source ``moe_comm/csrc/<name>.cu``; with ``source`` given, just the
+        name: the kernel source ``csrc/<name>.cu``; with ``source`` given, just the
             name used in the entry name and in NVRTC messages.
         arch: real architecture, e.g. ``"sm_90"`` (see :func:`arch_of`).
         defines: macros passed as ``-DNAME=VALUE`` (int or str values).

@@ -1,4 +1,4 @@
-"""Launchers of the CUDA kernels in ``moe_comm/csrc`` (one method per ``extern "C"`` entry point).
+"""Launchers of the CUDA kernels in ``csrc`` (one method per ``extern "C"`` entry point).
 
 ``DispatchKernels`` launches ``csrc/dispatch.cu`` (``dispatch``, ``redispatch``) and
 ``CombineKernels`` launches ``csrc/combine.cu`` (``combine``, ``values_send``, ``values_recv``):
@@ -10,8 +10,8 @@ never compiles or loads anything: it fills the per-call parameters of its kernel
 torch's current stream, which works eagerly and under CUDA-graph capture alike.
 
 This module also holds what the Python side and the kernels must agree on, mirrored in
-``csrc/common.cuh``: the layout of the symmetric allocation (:class:`SymmetricLayout`), the
-local state words (the timeout phase codes of the status word are ``layout.TIMEOUT_PHASES``).
+``csrc/common.cuh``: the regions of the symmetric allocation (:class:`SymmetricRegions`), the
+local state words (the timeout phase codes of the status word are ``protocol.TIMEOUT_PHASES``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ __all__ = [
     "MAX_WORLD_SIZE",
     "MAX_TOPK",
     "STATE_WORDS",
-    "SymmetricLayout",
+    "SymmetricRegions",
     "CommArgs",
     "kernel_defines",
     "DispatchKernels",
@@ -77,30 +77,30 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _chunks_per_row(row_bytes: int, vectors_per_lane: int) -> int:
-    """csrc RowChunks<VPL>::kPerRow: warps that share one row."""
+def _parts_per_row(row_bytes: int, vectors_per_lane: int) -> int:
+    """csrc RowParts<VPL>::kPerRow: warps that share one row."""
     return _cdiv(row_bytes // 16, 32 * vectors_per_lane)
 
 
-def kernel_defines(dtype: torch.dtype, hidden: int, topk: int, *, transport_put: bool = False) -> dict:
+def kernel_defines(dtype: torch.dtype, hidden: int, topk: int, *, put_transport: bool = False) -> dict:
     """The compile-time defines of both kernel files for rows of ``hidden`` ``dtype`` and top-``topk``.
 
-    ``transport_put``: remote writes as NVSHMEM puts (``csrc/transport.cuh``); such builds need
-    :func:`moe_comm.nvshmem_device.compile_options` and the module initialisation it names.
+    ``put_transport``: remote writes as NVSHMEM puts (``csrc/transport.cuh``); such builds need
+    :func:`moe_comm.nvshmem_build.compile_options` and the module initialisation it names.
     """
     if dtype not in _DTYPE_NAMES:
         raise BackendError(f"dtype {dtype} has no kernels; expected one of {', '.join(map(str, _DTYPE_NAMES))}")
     defines = {"DTYPE": _DTYPE_NAMES[dtype], "HIDDEN": int(hidden), "TOPK": int(topk)}
-    if transport_put:
-        defines["TRANSPORT_PUT"] = 1
+    if put_transport:
+        defines["PUT_TRANSPORT"] = 1
     return defines
 
 
 @dataclass(frozen=True)
-class SymmetricLayout:
+class SymmetricRegions:
     """Byte offsets of the regions of one rank's symmetric allocation (the same on every rank).
 
-    ``W`` ranks, ``M = max_tokens``, ``K = topk``, rows of ``row_bytes``; every region starts at a
+    ``W`` ranks, ``M = max_tokens_per_rank``, ``K = topk``, rows of ``row_bytes``; every region starts at a
     multiple of 256 bytes.
 
     * ``flags``    u64 ``[2 channels][4 + 4 kinds][W]`` at offset 0: arrival (written by the sender),
@@ -112,12 +112,12 @@ class SymmetricLayout:
     * ``ret_vals`` f32 ``[W, M, K]``: slab ``r`` written by destination ``r`` (return_entry_values).
     * ``recv_x``   ``[W, M, row]``: slab ``s`` written by source ``s`` (dispatch, redispatch).
     * ``ret_x``    ``[W, M, row]``: slab ``r`` written by destination ``r`` (combine partials).
-    * ``stage_x``  ``[W, M, row]``, only with ``staging`` (the put transport): this rank's partials
+    * ``stage_x``  ``[W, M, row]``, only with ``put_transport``: this rank's partials
       for source ``s`` before NVSHMEM puts them (NVSHMEM moves symmetric memory only); else size 0.
     """
 
     world_size: int
-    max_tokens: int
+    max_tokens_per_rank: int
     topk: int
     row_bytes: int
     meta_words: int
@@ -131,10 +131,10 @@ class SymmetricLayout:
 
     @classmethod
     def plan(
-        cls, world_size: int, max_tokens: int, topk: int, row_bytes: int, *, staging: bool = False
-    ) -> "SymmetricLayout":
+        cls, world_size: int, max_tokens_per_rank: int, topk: int, row_bytes: int, *, put_transport: bool = False
+    ) -> "SymmetricRegions":
         meta_words = _round_up(2 * topk, 4)
-        slab_rows = world_size * max_tokens
+        slab_rows = world_size * max_tokens_per_rank
         offset = 0
         regions = []
         for size in (
@@ -143,11 +143,11 @@ class SymmetricLayout:
             slab_rows * topk * 4,
             slab_rows * row_bytes,
             slab_rows * row_bytes,
-            slab_rows * row_bytes if staging else 0,
+            slab_rows * row_bytes if put_transport else 0,
         ):
             regions.append(offset)
             offset = _round_up(offset + size, _ALIGN)
-        return cls(world_size, max_tokens, topk, row_bytes, meta_words, *regions, nbytes=offset)
+        return cls(world_size, max_tokens_per_rank, topk, row_bytes, meta_words, *regions, nbytes=offset)
 
 
 @dataclass(frozen=True)
@@ -161,7 +161,7 @@ class CommArgs:
     peers_ptr: int
     rank: int
     world_size: int
-    max_tokens: int
+    max_tokens_per_rank: int
     state_ptr: int
     status_ptr: int
     timeout_ns: int
@@ -171,7 +171,7 @@ class CommArgs:
             (self.peers_ptr, _P),
             (self.rank, _I),
             (self.world_size, _I),
-            (self.max_tokens, _I),
+            (self.max_tokens_per_rank, _I),
             (self.state_ptr, _P),
             (self.status_ptr, _P),
             (self.timeout_ns, _L),
@@ -187,7 +187,7 @@ class DispatchKernels:
 
     Args:
         device: the CUDA device (with an index). defines: :func:`kernel_defines`.
-        args: the common leading arguments. layout: the symmetric allocation's regions.
+        args: the common leading arguments. regions: the symmetric allocation's regions.
         num_experts: E. num_local_experts: L. expert_alignment: A. expert_capacity: C or None.
         capacity_rows: rows of ``out.x``. num_sms: blocks that push rows to peers.
         device_sms: the device's SM count (the grid).
@@ -200,7 +200,7 @@ class DispatchKernels:
         device: torch.device,
         defines: dict,
         args: CommArgs,
-        layout: SymmetricLayout,
+        regions: SymmetricRegions,
         *,
         num_experts: int,
         num_local_experts: int,
@@ -223,32 +223,32 @@ class DispatchKernels:
         self._redispatch = load("redispatch")
         self._grid = device_sms
         self._num_sms = min(num_sms, device_sms)
-        self._send_chunks = _chunks_per_row(layout.row_bytes, _SEND_VPL)
+        self._send_parts = _parts_per_row(regions.row_bytes, _SEND_VPL)
         prefix = args.prefix()
 
         # About _LAYOUT_ROWS_PER_BLOCK slab rows per layout block; the layout blocks publish their
-        # per-expert counts in local scratch, and blocks stamp barriers in grid_flags [2, grid].
-        self._layout_blocks = max(1, min(self._grid, _cdiv(args.world_size * args.max_tokens, _LAYOUT_ROWS_PER_BLOCK)))
+        # per-expert counts in local scratch, and blocks stamp barriers in barrier_flags [2, grid].
+        self._layout_blocks = max(1, min(self._grid, _cdiv(args.world_size * args.max_tokens_per_rank, _LAYOUT_ROWS_PER_BLOCK)))
         self._block_counts = torch.zeros((self._layout_blocks, num_local_experts), dtype=torch.int32, device=device)
         self._grid_flags = torch.zeros(2 * self._grid, dtype=torch.int64, device=device)
         capacity = 2**31 - 1 if expert_capacity is None else min(int(expert_capacity), 2**31 - 1)
-        chunk_tokens = max(_MIN_CHUNK_TOKENS, _cdiv(args.max_tokens, _MAX_CHUNKS))
+        chunk_tokens = max(_MIN_CHUNK_TOKENS, _cdiv(args.max_tokens_per_rank, _MAX_CHUNKS))
         # Each kernel's parameters: the ones fixed for this backend first, then the per-call ones.
         self._dispatch_params = jit.kernel_params(
             prefix + (
-                (layout.meta_offset, _L), (layout.recv_x_offset, _L), (num_experts, _I), (chunk_tokens, _I),
+                (regions.meta_offset, _L), (regions.recv_x_offset, _L), (num_experts, _I), (chunk_tokens, _I),
                 (num_local_experts, _I), (expert_alignment, _I), (capacity, _I),
                 (self._block_counts.data_ptr(), _P), (self._grid_flags.data_ptr(), _P), (capacity_rows, _I),
             ),
             (_I, _I, _P, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _P),
         )
         self._redispatch_params = jit.kernel_params(
-            prefix + ((layout.recv_x_offset, _L), (capacity_rows, _I)), (_I, _P, _I, _P, _P, _P)
+            prefix + ((regions.recv_x_offset, _L), (capacity_rows, _I)), (_I, _P, _I, _P, _P, _P)
         )
 
     def _senders(self, num_tokens: int) -> int:
         """Blocks that push rows: at most ``num_sms``, no more than the tokens' units need."""
-        return max(1, min(self._num_sms, _cdiv(num_tokens * self._send_chunks, _DISPATCH_THREADS // 32)))
+        return max(1, min(self._num_sms, _cdiv(num_tokens * self._send_parts, _DISPATCH_THREADS // 32)))
 
     def dispatch(
         self,
@@ -294,7 +294,7 @@ class CombineKernels:
     """Launchers of ``csrc/combine.cu`` for one backend (loads every entry point now).
 
     Args:
-        device, defines, args, layout: as for :class:`DispatchKernels`.
+        device, defines, args, regions: as for :class:`DispatchKernels`.
         capacity_rows: rows of ``y`` (``out.x``'s layout). num_sms: blocks of the values kernels.
         toolchain: as for :class:`DispatchKernels`.
         device_sms: the device's SM count: ``combine`` runs one block per SM (its blocks wait for
@@ -307,7 +307,7 @@ class CombineKernels:
         device: torch.device,
         defines: dict,
         args: CommArgs,
-        layout: SymmetricLayout,
+        regions: SymmetricRegions,
         *,
         capacity_rows: int,
         num_sms: int,
@@ -318,19 +318,19 @@ class CombineKernels:
         self._combine = load("combine")
         self._values_send = load("values_send")
         self._values_recv = load("values_recv")
-        self._topk = layout.topk
+        self._topk = regions.topk
         self._num_sms = num_sms
         self._grid = device_sms
         prefix = args.prefix()
-        rows = args.world_size * args.max_tokens
+        rows = args.world_size * args.max_tokens_per_rank
         self._combine_params = jit.kernel_params(
-            prefix + ((layout.ret_x_offset, _L), (layout.stage_x_offset, _L), (capacity_rows, _I)),
+            prefix + ((regions.ret_x_offset, _L), (regions.stage_x_offset, _L), (capacity_rows, _I)),
             (_P, _P, _P, _I, _P, _I, _P),
         )
         self._capacity = ((capacity_rows, _I),)
-        self._values_send_grid = max(1, min(num_sms, _cdiv(rows * layout.topk, _VALUES_THREADS)))
-        self._values_send_const = prefix + ((layout.ret_vals_offset, _L),)
-        self._values_recv_const = prefix + ((layout.ret_vals_offset, _L),)
+        self._values_send_grid = max(1, min(num_sms, _cdiv(rows * regions.topk, _VALUES_THREADS)))
+        self._values_send_const = prefix + ((regions.ret_vals_offset, _L),)
+        self._values_recv_const = prefix + ((regions.ret_vals_offset, _L),)
 
     def combine(
         self, y: torch.Tensor, recv_pos: torch.Tensor, recv_weight: torch.Tensor, weighted: bool,

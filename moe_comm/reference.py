@@ -50,7 +50,7 @@ def drop_over_capacity(
     """The routing with the assignments an ``expert_capacity`` drops replaced by -1.
 
     Entries of one expert are kept in (source rank, token, column) order up to ``capacity``,
-    exactly as ``moe_comm.layout`` defines. Invalid ids are left as they are.
+    exactly as ``moe_comm.routing`` defines. Invalid ids are left as they are.
 
     Args:
         topk_idx_per_rank: every rank's ``[T_r, K]`` expert ids, in rank order.

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 import moe_comm
-from moe_comm import cli, launch
-from moe_comm.verify import CHECKED, StepResult
+from moe_comm import cli, spawn
+from moe_comm.job import CHECKED, StepResult
 
 # Subprocesses import the same moe_comm as this test process (the source tree or an install).
 _PACKAGE_PARENT = str(Path(moe_comm.__file__).resolve().parent.parent)
@@ -70,7 +70,7 @@ def test_run_fails_on_a_wrong_result_or_a_failed_rank(monkeypatch, capsys):
     # Step 2 has a NaN on one rank beside a small error on the other: NaN must not hide behind max().
     fake = [[_step(0, 1e-9), _step(1, 0.5), _step(2, float("nan"))],
             [_step(0, 1e-9, "1 expert id(s) outside [0, 16)"), _step(1, 1e-9), _step(2, 1e-9)]]
-    monkeypatch.setattr(launch, "run_ranks", lambda *args, **kwargs: fake)
+    monkeypatch.setattr(spawn, "run_ranks", lambda *args, **kwargs: fake)
     assert cli.main(["run", "--backend", "reference", "--steps", "3"]) == 1
     out = capsys.readouterr().out
     assert out.count("FAIL") == 4 and "pass" not in out
@@ -79,9 +79,9 @@ def test_run_fails_on_a_wrong_result_or_a_failed_rank(monkeypatch, capsys):
     assert "step 2: relative errors over 0.02" in out and "nan" in out
 
     def failing(*args, **kwargs):
-        raise launch.RankFailureError("1 of 2 ranks failed:\n--- rank 1 ---\nTraceback: boom", {1: "boom"}, [])
+        raise spawn.RankFailureError("1 of 2 ranks failed:\n--- rank 1 ---\nTraceback: boom", {1: "boom"}, [])
 
-    monkeypatch.setattr(launch, "run_ranks", failing)
+    monkeypatch.setattr(spawn, "run_ranks", failing)
     assert cli.main(["run", "--backend", "reference"]) == 1
     assert "rank 1" in capsys.readouterr().err
 

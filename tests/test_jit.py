@@ -11,7 +11,7 @@ import ctypes
 import pytest
 import torch
 
-from moe_comm import jit, nvshmem_device
+from moe_comm import jit, nvshmem_build
 from moe_comm.errors import BackendError, CompileError, InputError
 from moe_comm.kernels import kernel_defines
 
@@ -349,12 +349,12 @@ def test_toolchain_options_and_identity_are_part_of_the_key(nvrtc, cache):
 def test_put_transport_kernels_compile_against_nvshmem_headers(nvrtc, cache):
     """The NVSHMEM device API compiles header-only through NVRTC (the test extra installs the headers)."""
     directory, calls = cache
-    toolchain = nvshmem_device.toolchain()
-    defines = kernel_defines(torch.bfloat16, 7168, 8, transport_put=True)
-    assert defines["TRANSPORT_PUT"] == 1
+    toolchain = nvshmem_build.toolchain()
+    defines = kernel_defines(torch.bfloat16, 7168, 8, put_transport=True)
+    assert defines["PUT_TRANSPORT"] == 1
     for name in ("dispatch", "combine"):
         path = jit.compile_source(name, arch="sm_90", defines=defines, toolchain=toolchain)
-        assert path.name.startswith(f"{name}-bf16_hidden7168_topk8_transport_put1-sm90-")
+        assert path.name.startswith(f"{name}-bf16_hidden7168_put_transport1_topk8-sm90-")
         assert b"nvshmemi_device_state_d" in path.read_bytes()  # NVSHMEM's state lives in the module
     assert calls == ["dispatch", "combine"]
 
@@ -366,4 +366,4 @@ def test_missing_nvshmem_headers_name_the_wheel(monkeypatch):
     monkeypatch.setattr(cuda.pathfinder, "find_nvidia_header_directory",
                         lambda name: None if name == "cccl" else real(name))
     with pytest.raises(BackendError, match=r"cccl \(pip install nvidia-cuda-cccl\).*transport 'p2p'"):
-        nvshmem_device.toolchain()
+        nvshmem_build.toolchain()

@@ -2,7 +2,7 @@
 
 A parameter in the wrong place or of the wrong size is read as garbage by the kernel, so every
 launcher of ``moe_comm.kernels`` is run against a recording fake and its parameter list is
-compared, in order, with the ``extern "C"`` signature in ``moe_comm/csrc``: pointer or integer,
+compared, in order, with the ``extern "C"`` signature in ``csrc``: pointer or integer,
 and size. (Two parameters of the same kind and size in each other's places are beyond this
 check; the GPU suite compares every result with the reference.)
 """
@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import ctypes
 import re
-from importlib import resources
 
 import torch
 
 from moe_comm import jit, kernels
+from moe_comm.assets import asset_dir
 
 WORLD, MAX_TOKENS, TOPK, HIDDEN, EXPERTS = 2, 8, 3, 64, 8
 _POINTER, _INTEGER = "pointer", "integer"
@@ -60,9 +60,9 @@ def test_launchers_pass_the_parameters_the_kernels_declare(monkeypatch):
     monkeypatch.setattr(jit, "load_function", load)
     cpu = torch.device("cpu")
     defines = kernels.kernel_defines(torch.bfloat16, HIDDEN, TOPK)
-    args = kernels.CommArgs(peers_ptr=0x1000, rank=0, world_size=WORLD, max_tokens=MAX_TOKENS, state_ptr=0x2000,
+    args = kernels.CommArgs(peers_ptr=0x1000, rank=0, world_size=WORLD, max_tokens_per_rank=MAX_TOKENS, state_ptr=0x2000,
                             status_ptr=0x3000, timeout_ns=10**9)
-    layout = kernels.SymmetricLayout.plan(WORLD, MAX_TOKENS, TOPK, HIDDEN * 2)
+    layout = kernels.SymmetricRegions.plan(WORLD, MAX_TOKENS, TOPK, HIDDEN * 2)
     local = EXPERTS // WORLD
     capacity_rows = 64
     dispatch = kernels.DispatchKernels(cpu, defines, args, layout, num_experts=EXPERTS, num_local_experts=local,
@@ -86,7 +86,7 @@ def test_launchers_pass_the_parameters_the_kernels_declare(monkeypatch):
     combine.values_send(torch.zeros(capacity_rows), recv_pos)
     combine.values_recv(dest_rank, weights)
 
-    sources = {name: resources.files("moe_comm").joinpath("csrc", f"{name}.cu").read_text()
+    sources = {name: asset_dir("csrc").joinpath(f"{name}.cu").read_text()
                for name in ("dispatch", "combine")}
     launched = {key: recorder.launches for key, recorder in recorders.items() if recorder.launches}
     assert sorted(launched) == [("combine", "combine"), ("combine", "values_recv"), ("combine", "values_send"),

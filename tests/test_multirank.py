@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from moe_comm.launch import MULTICAST_OFF_ENV
+from moe_comm.spawn import MULTICAST_OFF_ENV
 from multirank import run_ranks
 
 

@@ -1,4 +1,4 @@
-"""Backends: how symmetric memory is shared and how bytes move. The routing math is in ``moe_comm.layout``.
+"""Backends: how symmetric memory is shared and how bytes move. The routing math is in ``moe_comm.routing``.
 
 | name        | transport                          | memory peers write                   |
 |-------------|------------------------------------|--------------------------------------|
@@ -46,7 +46,7 @@ def create_backend(name: str, config, group, device) -> Backend:
         # One rank has no peer to put to: its buffer is local (TorchSymmetricMemory) and stores reach it.
         put = config.nvshmem.transport == "put" and dist.get_world_size(group) > 1
         factory = functools.partial(
-            TorchSymmetricMemory, provider="NVSHMEM", addressing="symmetric" if put else "mapped",
+            TorchSymmetricMemory, provider="NVSHMEM", put_transport=put,
             heap_size_mb=config.nvshmem.heap_size_mb,
         )
         return DeviceBackend(config, group, device, factory, name, put_transport=put)

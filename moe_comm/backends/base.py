@@ -10,9 +10,9 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .. import layout
+from .. import protocol
 from ..config import Config
-from ..layout import Routing
+from ..routing import Routing
 
 __all__ = ["Backend", "DispatchResult", "host_identity", "resolve_backend_name"]
 
@@ -34,10 +34,10 @@ class DispatchResult:
 
 
 class Backend(abc.ABC):
-    """Moves rows between the ranks of a group; semantics are defined in ``moe_comm.layout``.
+    """Moves rows between the ranks of a group; semantics are defined in ``moe_comm.routing``.
 
     Every method takes validated, contiguous tensors on ``self.device`` and must not read a
-    device value on the host. ``status`` is the device status word (``layout.new_status``).
+    device value on the host. ``status`` is the device status word (``protocol.new_status``).
     """
 
     def __init__(self, config: Config, group, device: torch.device, name: str) -> None:
@@ -48,9 +48,9 @@ class Backend(abc.ABC):
         self.device = device
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self.num_local_experts = config.experts_per_rank(self.world_size)
+        self.num_local_experts = config.num_local_experts(self.world_size)
         self.capacity_rows = config.capacity_rows(self.world_size)
-        self.status = layout.new_status(device)
+        self.status = protocol.new_status(device)
 
     @abc.abstractmethod
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> DispatchResult:

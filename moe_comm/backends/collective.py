@@ -1,4 +1,4 @@
-"""Collective backends: the routing math of ``moe_comm.layout`` with ``all_to_all_single``.
+"""Collective backends: the routing math of ``moe_comm.routing`` with ``all_to_all_single``.
 
 Every exchange moves fixed ``[W, M, ...]`` slabs (one per peer, ``M = max_tokens_per_rank``
 rows), so shapes never depend on the routing and no count has to reach the host. Two backends
@@ -47,7 +47,17 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .. import layout
+from ..routing import (
+    Routing,
+    expand_rows,
+    gather_entry_values,
+    gather_send_rows,
+    plan_destination,
+    plan_source,
+    reduce_partials,
+    scatter_entry_values,
+    sum_returned,
+)
 from ..config import Config
 from ..errors import BackendError, CommTimeoutError
 from .base import Backend, DispatchResult
@@ -182,11 +192,11 @@ class CollectiveBackend(Backend):
                "process group to communicate again", self._peer()
 
     def _send_tokens(self, rows: torch.Tensor, send_mask: torch.Tensor, phase: str) -> torch.Tensor:
-        return self._exchange(layout.gather_send_rows(rows, send_mask, self.config.max_tokens_per_rank), phase)
+        return self._exchange(gather_send_rows(rows, send_mask, self.config.max_tokens_per_rank), phase)
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> DispatchResult:
         cfg = self.config
-        send_mask, dest_rank, slab_expert = layout.plan_source(
+        send_mask, dest_rank, slab_expert = plan_source(
             topk_idx, cfg.num_experts, self.world_size, self.rank, self.status
         )
         num_tokens = x.shape[0]
@@ -197,24 +207,24 @@ class CollectiveBackend(Backend):
         recv_expert = self._exchange(expert_slabs, "dispatch: all_to_all_single of expert ids")
         recv_weight = self._send_tokens(topk_weights, send_mask, "dispatch: all_to_all_single of router weights")
         recv_rows = self._send_tokens(x, send_mask, "dispatch: all_to_all_single of token rows")
-        plan = layout.plan_destination(
+        plan = plan_destination(
             recv_expert, self.num_local_experts, cfg.expert_alignment, cfg.expert_capacity, self.status
         )
-        routing = layout.Routing(num_tokens, send_mask, dest_rank, plan.recv_pos, recv_weight)
-        out_x = layout.expand_rows(recv_rows, plan.recv_pos, self.capacity_rows)
+        routing = Routing(num_tokens, send_mask, dest_rank, plan.recv_pos, recv_weight)
+        out_x = expand_rows(recv_rows, plan.recv_pos, self.capacity_rows)
         return DispatchResult(out_x, plan.expert_offsets, plan.tokens_per_expert, routing)
 
-    def redispatch(self, x: torch.Tensor, routing: layout.Routing) -> torch.Tensor:
+    def redispatch(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         recv_rows = self._send_tokens(x, routing.send_mask, "redispatch: all_to_all_single of token rows")
-        return layout.expand_rows(recv_rows, routing.recv_pos, self.capacity_rows)
+        return expand_rows(recv_rows, routing.recv_pos, self.capacity_rows)
 
-    def combine(self, y: torch.Tensor, routing: layout.Routing, weighted: bool = True) -> torch.Tensor:
+    def combine(self, y: torch.Tensor, routing: Routing, weighted: bool = True) -> torch.Tensor:
         weights = routing.recv_weight if weighted else None
-        partials = layout.reduce_partials(y, routing.recv_pos, weights)
+        partials = reduce_partials(y, routing.recv_pos, weights)
         returned = self._exchange(partials, "combine: all_to_all_single of partial sums")
-        return layout.sum_returned(returned, routing.send_mask)
+        return sum_returned(returned, routing.send_mask)
 
-    def return_entry_values(self, row_vector: torch.Tensor, routing: layout.Routing) -> torch.Tensor:
-        entry_values = layout.scatter_entry_values(row_vector, routing.recv_pos)
+    def return_entry_values(self, row_vector: torch.Tensor, routing: Routing) -> torch.Tensor:
+        entry_values = scatter_entry_values(row_vector, routing.recv_pos)
         returned = self._exchange(entry_values, "return_entry_values: all_to_all_single of entry values")
-        return layout.gather_entry_values(returned, routing.dest_rank)
+        return gather_entry_values(returned, routing.dest_rank)

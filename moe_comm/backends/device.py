@@ -1,7 +1,7 @@
 """``DeviceBackend``: dispatch/combine with our own CUDA kernels on symmetric memory.
 
 Every rank holds ONE symmetric allocation (a :class:`moe_comm.symm.base.SymmetricMemory`, e.g.
-VMM), carved into the same regions on every rank (:class:`moe_comm.kernels.SymmetricLayout`):
+VMM), carved into the same regions on every rank (:class:`moe_comm.kernels.SymmetricRegions`):
 receive slabs ``[W, M, ...]`` written by the sources (token rows and per-row metadata), return
 slabs written by the destinations (combine partials, per-entry values), and flags. Kernels
 write peers' memory directly (NVLink stores) and synchronise through release/acquire flags with
@@ -28,7 +28,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .. import jit, kernels, layout, nvshmem_device
+from .. import jit, kernels, nvshmem_build, protocol
+from ..routing import Routing
 from ..config import Config
 from ..errors import BackendError
 from .base import Backend, DispatchResult
@@ -41,7 +42,7 @@ _log = logging.getLogger("moe_comm")
 _PIECE_WORDS = 32  # every piece of _dispatch_outputs starts on a 128-byte line
 
 
-def _dispatch_outputs(num_tokens: int, world: int, max_tokens: int, topk: int, num_local: int,
+def _dispatch_outputs(num_tokens: int, world: int, max_tokens_per_rank: int, topk: int, num_local_experts: int,
                       device: torch.device) -> tuple:
     """The dispatch kernel's small outputs, as views of one int32 allocation on ``device``:
     ``expert_offsets``, ``tokens_per_expert [L]`` int32, ``dest_rank [T, K]`` int32, ``recv_pos`` /
@@ -50,7 +51,7 @@ def _dispatch_outputs(num_tokens: int, world: int, max_tokens: int, topk: int, n
     NOTE: one torch.empty on CUDA costs ~3.3 us of host time on the GPU machines and a view ~1.5
     us; eager calls at decode sizes are host-bound, and these were six allocations.
     """
-    sizes = (num_local, num_local, num_tokens * topk, world * max_tokens * topk, world * max_tokens * topk,
+    sizes = (num_local_experts, num_local_experts, num_tokens * topk, world * max_tokens_per_rank * topk, world * max_tokens_per_rank * topk,
              -(-num_tokens * world // 4))
     starts = []
     words = 0
@@ -58,10 +59,10 @@ def _dispatch_outputs(num_tokens: int, world: int, max_tokens: int, topk: int, n
         starts.append(words)
         words += -(-size // _PIECE_WORDS) * _PIECE_WORDS
     buffer = torch.empty(words, dtype=torch.int32, device=device)
-    slab = ((world, max_tokens, topk), (max_tokens * topk, topk, 1))
+    slab = ((world, max_tokens_per_rank, topk), (max_tokens_per_rank * topk, topk, 1))
     return (
-        buffer.as_strided((num_local,), (1,), starts[0]),
-        buffer.as_strided((num_local,), (1,), starts[1]),
+        buffer.as_strided((num_local_experts,), (1,), starts[0]),
+        buffer.as_strided((num_local_experts,), (1,), starts[1]),
         buffer.as_strided((num_tokens, topk), (topk, 1), starts[2]),
         buffer.as_strided(*slab, starts[3]),
         buffer.view(torch.float32).as_strided(*slab, starts[4]),
@@ -70,7 +71,7 @@ def _dispatch_outputs(num_tokens: int, world: int, max_tokens: int, topk: int, n
 
 
 class DeviceBackend(Backend):
-    """Dispatch/combine with the kernels of ``moe_comm/csrc`` on one symmetric allocation per rank.
+    """Dispatch/combine with the kernels of ``csrc`` on one symmetric allocation per rank.
 
     Collective: every rank of ``group`` constructs it with the same config, in the same order. The
     constructor allocates and maps the symmetric memory, compiles and loads every kernel, and runs
@@ -107,12 +108,12 @@ class DeviceBackend(Backend):
         self._check_sizes()
 
         row_bytes = config.hidden * self.dtype.itemsize
-        self.layout = kernels.SymmetricLayout.plan(
-            self.world_size, config.max_tokens_per_rank, config.topk, row_bytes, staging=put_transport
+        self.regions = kernels.SymmetricRegions.plan(
+            self.world_size, config.max_tokens_per_rank, config.topk, row_bytes, put_transport=put_transport
         )
         # u64 state words (epochs, done-counters): zero, like the flags of a fresh allocation.
         self._state = torch.zeros(kernels.STATE_WORDS, dtype=torch.int64, device=device)
-        self._memory = memory_factory(group, device, self.layout.nbytes, timeout_s=config.timeout_s)
+        self._memory = memory_factory(group, device, self.regions.nbytes, timeout_s=config.timeout_s)
         try:
             self._setup_kernels()
             self._warm_up()
@@ -142,13 +143,13 @@ class DeviceBackend(Backend):
         cfg = self.config
         error = None
         try:
-            defines = kernels.kernel_defines(self.dtype, cfg.hidden, cfg.topk, transport_put=self._put_transport)
-            toolchain = nvshmem_device.toolchain() if self._put_transport else jit.Toolchain()
+            defines = kernels.kernel_defines(self.dtype, cfg.hidden, cfg.topk, put_transport=self._put_transport)
+            toolchain = nvshmem_build.toolchain() if self._put_transport else jit.Toolchain()
             args = kernels.CommArgs(
                 peers_ptr=self._memory.peer_ptrs_tensor.data_ptr(),
                 rank=self.rank,
                 world_size=self.world_size,
-                max_tokens=cfg.max_tokens_per_rank,
+                max_tokens_per_rank=cfg.max_tokens_per_rank,
                 state_ptr=self._state.data_ptr(),
                 status_ptr=self.status.data_ptr(),
                 timeout_ns=int(cfg.timeout_s * 1e9),
@@ -158,7 +159,7 @@ class DeviceBackend(Backend):
                 self.device,
                 defines,
                 args,
-                self.layout,
+                self.regions,
                 num_experts=cfg.num_experts,
                 num_local_experts=self.num_local_experts,
                 expert_alignment=cfg.expert_alignment,
@@ -169,7 +170,7 @@ class DeviceBackend(Backend):
                 toolchain=toolchain,
             )
             self._combine_kernels = kernels.CombineKernels(
-                self.device, defines, args, self.layout, capacity_rows=self.capacity_rows, num_sms=cfg.num_sms,
+                self.device, defines, args, self.regions, capacity_rows=self.capacity_rows, num_sms=cfg.num_sms,
                 device_sms=device_sms, toolchain=toolchain,
             )
         except Exception as exc:  # reported to every rank below, then raised here
@@ -195,13 +196,13 @@ class DeviceBackend(Backend):
             torch.zeros(self.capacity_rows, dtype=torch.float32, device=self.device), result.routing
         )
         torch.cuda.synchronize(self.device)
-        phase = int(self.status[layout.STATUS_TIMEOUT_PHASE])
+        phase = int(self.status[protocol.STATUS_TIMEOUT_PHASE])
         problem = None
         if phase:
-            peer = int(self.status[layout.STATUS_TIMEOUT_PEER])
+            peer = int(self.status[protocol.STATUS_TIMEOUT_PEER])
             problem = (
                 f"rank {self.rank} timed out after {cfg.timeout_s} s: "
-                f"{layout.TIMEOUT_PHASES.get(phase, f'phase {phase}')} (peer rank {peer})"
+                f"{protocol.TIMEOUT_PHASES.get(phase, f'phase {phase}')} (peer rank {peer})"
             )
         problems: list = [None] * self.world_size
         dist.all_gather_object(problems, problem, group=self.group)
@@ -226,20 +227,20 @@ class DeviceBackend(Backend):
             x, topk_idx, topk_weights, send_mask, dest_rank, recv_pos, recv_weight, expert_offsets, tokens_per_expert,
             out_x,
         )
-        routing = layout.Routing(num_tokens, send_mask, dest_rank, recv_pos, recv_weight)
+        routing = Routing(num_tokens, send_mask, dest_rank, recv_pos, recv_weight)
         return DispatchResult(out_x, expert_offsets, tokens_per_expert, routing)
 
-    def redispatch(self, x: torch.Tensor, routing: layout.Routing) -> torch.Tensor:
+    def redispatch(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         out = torch.empty((self.capacity_rows, self.config.hidden), dtype=self.dtype, device=self.device)
         self._dispatch_kernels.redispatch(x, routing.send_mask, routing.recv_pos, out)
         return out
 
-    def combine(self, y: torch.Tensor, routing: layout.Routing, weighted: bool = True) -> torch.Tensor:
+    def combine(self, y: torch.Tensor, routing: Routing, weighted: bool = True) -> torch.Tensor:
         z = torch.empty((routing.num_tokens, self.config.hidden), dtype=self.dtype, device=self.device)
         self._combine_kernels.combine(y, routing.recv_pos, routing.recv_weight, weighted, routing.send_mask, z)
         return z
 
-    def return_entry_values(self, row_vector: torch.Tensor, routing: layout.Routing) -> torch.Tensor:
+    def return_entry_values(self, row_vector: torch.Tensor, routing: Routing) -> torch.Tensor:
         out = torch.empty((routing.num_tokens, self.config.topk), dtype=torch.float32, device=self.device)
         k = self._combine_kernels
         k.values_send(row_vector.contiguous(), routing.recv_pos)

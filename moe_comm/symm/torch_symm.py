@@ -9,7 +9,7 @@ domain.
 A group of one rank has no peers to share with (and torch's NVSHMEM rendezvous refuses a group of
 one): its buffer is then an ordinary device allocation, and the kernels' "remote" writes are local.
 
-With ``addressing="symmetric"`` (the NVSHMEM put transport) every entry of the peer table is
+With ``put_transport=True`` (NVSHMEM puts) every entry of the peer table is
 this rank's own address of the buffer instead: kernels then name a peer's copy by that address
 and the peer's rank (NVSHMEM puts), which also reaches peers on other nodes.
 
@@ -32,10 +32,9 @@ import torch.distributed as dist
 from ..errors import BackendError
 from .base import SymmetricMemory
 
-__all__ = ["ADDRESSING", "PROVIDERS", "TorchSymmetricMemory", "nvshmem_heap_bytes"]
+__all__ = ["PROVIDERS", "TorchSymmetricMemory", "nvshmem_heap_bytes"]
 
 PROVIDERS = ("NVSHMEM", "NCCL")
-ADDRESSING = ("mapped", "symmetric")
 
 _log = logging.getLogger("moe_comm")
 _MIB = 1 << 20
@@ -131,8 +130,8 @@ class TorchSymmetricMemory(SymmetricMemory):
         timeout_s: kept for the common constructor signature; torch's rendezvous is bounded by the
             group's own timeout.
         provider: ``NVSHMEM`` or ``NCCL``.
-        addressing: ``mapped`` (peer pointers; one NVLink domain) or ``symmetric`` (every entry is
-            this rank's own address, for NVSHMEM puts; NVSHMEM only).
+        put_transport: False: the peer table holds peer pointers (one NVLink domain); True: every
+            entry is this rank's own address of the buffer, which NVSHMEM puts name (NVSHMEM only).
         heap_size_mb: NVSHMEM's heap (``nvshmem.heap_size_mb``); None sizes it from ``nbytes``.
 
     Raises:
@@ -141,14 +140,13 @@ class TorchSymmetricMemory(SymmetricMemory):
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup], device: torch.device, nbytes: int, *,
-                 timeout_s: float, provider: str, addressing: str = "mapped",
+                 timeout_s: float, provider: str, put_transport: bool = False,
                  heap_size_mb: Optional[int] = None) -> None:
         global _nvshmem_started
         if provider not in PROVIDERS:
             raise BackendError(f"provider: got {provider!r}, expected one of {PROVIDERS}")
-        if addressing not in ADDRESSING or (addressing == "symmetric" and provider != "NVSHMEM"):
-            raise BackendError(f"addressing: got {addressing!r} for {provider}; 'symmetric' needs NVSHMEM, "
-                               f"expected one of {ADDRESSING}")
+        if put_transport and provider != "NVSHMEM":
+            raise BackendError(f"put_transport: the put transport needs the NVSHMEM provider, got {provider!r}")
         del timeout_s  # see the docstring
         self._closed = False
         self.provider = provider
@@ -187,7 +185,7 @@ class TorchSymmetricMemory(SymmetricMemory):
                 raise BackendError(f"{provider} symmetric memory setup failed on rank {self.rank}: {exc}") from exc
             finally:
                 _nvshmem_started = _nvshmem_started or provider == "NVSHMEM"
-            if addressing == "symmetric":
+            if put_transport:
                 self._peer_ptrs = [self._buffer.data_ptr()] * self.world_size
             else:
                 self._peer_ptrs = [int(p) for p in self._handle.buffer_ptrs]

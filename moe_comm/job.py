@@ -104,7 +104,7 @@ class PhaseTimer:
 
 
 def _generator(seed: int, step: int, rank: int) -> torch.Generator:
-    digest = hashlib.sha256(f"moe_comm.verify:{seed}:{step}:{rank}".encode()).digest()
+    digest = hashlib.sha256(f"moe_comm.job:{seed}:{step}:{rank}".encode()).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest[:4], "little"))
 
 
@@ -128,7 +128,7 @@ def _errors(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
 
 
 def run_rank(rank: int, world_size: int, config_dict: dict, options: RunOptions) -> list[StepResult]:
-    """Body of one rank of ``moe-comm run`` (for :func:`moe_comm.launch.run_ranks`); returns its step results."""
+    """Body of one rank of ``moe-comm run`` (for :func:`moe_comm.spawn.run_ranks`); returns its step results."""
     config = load_config(config_dict)
     layer = MoELayer(config, options.ffn_hidden, seed=options.seed)
     device = layer.dispatcher.device

@@ -1,6 +1,6 @@
 """What kernels that call NVSHMEM's device API need: headers for NVRTC, and module set-up.
 
-The put transport (``nvshmem.transport: put``) compiles ``csrc/*.cu`` with ``TRANSPORT_PUT=1``:
+The put transport (``nvshmem.transport: put``) compiles ``csrc/*.cu`` with ``PUT_TRANSPORT=1``:
 ``csrc/transport.cuh`` then includes NVSHMEM's device headers, header-only (every device
 function inlined), as PLATFORM.md describes. NVRTC needs three include directories: NVSHMEM's
 (the ``nvidia-nvshmem-cu13`` wheel torch uses), CCCL's (``cuda/std`` type traits; the

@@ -3,7 +3,7 @@
 Everything here is written with device-agnostic torch ops on static shapes and never
 reads a device value on the host, so the same code runs on CPU (the ``reference``
 backend), on GPU outside a graph, and under CUDA-graph capture. The GPU kernels in
-``moe_comm/csrc`` implement exactly these definitions; the tests compare them bitwise.
+``csrc`` implement exactly these definitions; the tests compare them bitwise.
 
 Notation: ``W`` world size, ``R`` this rank, ``E`` global experts, ``L = E // W`` local
 experts, ``K`` top-k, ``T`` tokens of this call, ``M = max_tokens_per_rank``, ``H`` hidden.
@@ -40,18 +40,16 @@ from typing import Optional
 
 import torch
 
+from .protocol import (
+    NO_OFFENDER,
+    STATUS_FIRST_DROPPED,
+    STATUS_FIRST_INVALID,
+    STATUS_NUM_DROPPED,
+    STATUS_NUM_INVALID,
+)
+
 __all__ = [
-    "STATUS_FIELDS",
-    "STATUS_NUM_INVALID",
-    "STATUS_FIRST_INVALID",
-    "STATUS_NUM_DROPPED",
-    "STATUS_FIRST_DROPPED",
-    "STATUS_TIMEOUT_PHASE",
-    "STATUS_TIMEOUT_PEER",
-    "NO_OFFENDER",
-    "TIMEOUT_PHASES",
     "Routing",
-    "new_status",
     "plan_source",
     "gather_send_rows",
     "plan_destination",
@@ -62,28 +60,6 @@ __all__ = [
     "gather_entry_values",
     "row_values",
 ]
-
-# Layout of the device status word: int64 [STATUS_FIELDS] on the dispatcher's device.
-# The "first" fields hold the smallest ``(rank << 32) | token`` seen, NO_OFFENDER if none.
-STATUS_NUM_INVALID = 0     # assignments whose expert id was neither -1 nor in [0, E)
-STATUS_FIRST_INVALID = 1   # (source rank, token) of the first invalid assignment
-STATUS_NUM_DROPPED = 2     # assignments dropped because their expert was over capacity
-STATUS_FIRST_DROPPED = 3   # (source rank, token) of the first dropped assignment
-STATUS_TIMEOUT_PHASE = 4   # phase code of the first wait that timed out (0: none)
-STATUS_TIMEOUT_PEER = 5    # the peer that wait was waiting for
-STATUS_FIELDS = 6
-NO_OFFENDER = (1 << 63) - 1
-
-# Phase codes of ``status[layout.STATUS_TIMEOUT_PHASE]`` (mirrored in csrc/common.cuh: TIMEOUT_*). Channel 0
-# carries dispatch and redispatch, channel 1 combine and return_entry_values.
-TIMEOUT_PHASES = {
-    1: "dispatch: waiting for a peer to free its receive slab",
-    2: "dispatch: waiting for a peer's tokens",
-    3: "combine: waiting for a peer to free its return slab",
-    4: "combine: waiting for a peer's partial sums",
-    5: "a kernel's blocks waiting for each other (other kernels held the SMs?)",
-}
-
 
 @dataclass
 class Routing:
@@ -106,14 +82,6 @@ class Routing:
     dest_rank: torch.Tensor
     recv_pos: torch.Tensor
     recv_weight: torch.Tensor
-
-
-def new_status(device: torch.device) -> torch.Tensor:
-    """A cleared status word: int64 ``[STATUS_FIELDS]`` on ``device``."""
-    status = torch.zeros(STATUS_FIELDS, dtype=torch.int64, device=device)
-    status[STATUS_FIRST_INVALID] = NO_OFFENDER
-    status[STATUS_FIRST_DROPPED] = NO_OFFENDER
-    return status
 
 
 def _record(status: torch.Tensor, count_field: int, first_field: int, mask: torch.Tensor, keys: torch.Tensor) -> None:
@@ -155,16 +123,16 @@ def plan_source(
     return send_mask, dest.to(torch.int32), slab_expert.to(torch.int32)
 
 
-def gather_send_rows(rows: torch.Tensor, send_mask: torch.Tensor, max_tokens: int) -> torch.Tensor:
+def gather_send_rows(rows: torch.Tensor, send_mask: torch.Tensor, max_tokens_per_rank: int) -> torch.Tensor:
     """Source side: the ``[W, M, ...]`` slabs to send, row ``t`` of slab ``r`` = ``rows[t]`` if sent there, else zero.
 
     Args:
         rows: ``[T, ...]`` per-token rows (token data or metadata). send_mask: ``[T, W]`` bool.
-        max_tokens: M, the slab height.
+        max_tokens_per_rank: M, the slab height.
     """
     num_tokens = rows.shape[0]
     world_size = send_mask.shape[1]
-    slabs = rows.new_zeros((world_size, max_tokens) + tuple(rows.shape[1:]))
+    slabs = rows.new_zeros((world_size, max_tokens_per_rank) + tuple(rows.shape[1:]))
     mask = send_mask.transpose(0, 1).reshape((world_size, num_tokens) + (1,) * (rows.dim() - 1))
     slabs[:, :num_tokens] = torch.where(mask, rows[None], torch.zeros_like(rows[None]))
     return slabs
@@ -199,7 +167,7 @@ def plan_destination(
         expert_capacity: rows kept per expert, None for all.
         status: the device status word; dropped entries are counted into it.
     """
-    world_size, max_tokens, topk = recv_expert.shape
+    world_size, max_tokens_per_rank, topk = recv_expert.shape
     device = recv_expert.device
     key = recv_expert.reshape(-1).to(torch.int64)
     key = torch.where(key >= 0, key, torch.full_like(key, num_local_experts))
@@ -212,7 +180,7 @@ def plan_destination(
     valid = key < num_local_experts
     kept = valid if expert_capacity is None else valid & (rank_in_expert < expert_capacity)
     entry = torch.arange(key.numel(), device=device)
-    source_keys = ((entry // (max_tokens * topk)) << 32) + (entry // topk) % max_tokens
+    source_keys = ((entry // (max_tokens_per_rank * topk)) << 32) + (entry // topk) % max_tokens_per_rank
     _record(status, STATUS_NUM_DROPPED, STATUS_FIRST_DROPPED, valid & ~kept, source_keys)
     kept_counts = counts[:num_local_experts]
     if expert_capacity is not None:
@@ -223,7 +191,7 @@ def plan_destination(
     starts = ends[expert_of_entry] - segments[expert_of_entry]
     pos = torch.where(kept, starts + rank_in_expert, torch.where(valid, -2, -1))
     return DestinationPlan(
-        recv_pos=pos.to(torch.int32).reshape(world_size, max_tokens, topk),
+        recv_pos=pos.to(torch.int32).reshape(world_size, max_tokens_per_rank, topk),
         expert_offsets=ends.to(torch.int32),
         tokens_per_expert=kept_counts.to(torch.int32),
     )

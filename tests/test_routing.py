@@ -1,27 +1,27 @@
-"""The routing math of ``moe_comm.layout`` on small hand-worked examples (single process)."""
+"""The routing math of ``moe_comm.routing`` on small hand-worked examples (single process)."""
 
 from __future__ import annotations
 
 import torch
 
-from moe_comm import layout
+from moe_comm import protocol, routing
 
 
 def test_plan_source_dedups_and_reports_invalid_ids():
-    status = layout.new_status(torch.device("cpu"))
+    status = protocol.new_status(torch.device("cpu"))
     # 2 ranks x 2 local experts. Token 0 has two experts on rank 1: it is sent there once.
     topk_idx = torch.tensor([[2, 3, -1], [0, 9, 1], [-1, -1, -1], [-5, 2, 0]])
-    send_mask, dest_rank, slab_expert = layout.plan_source(topk_idx, 4, 2, rank=1, status=status)
+    send_mask, dest_rank, slab_expert = routing.plan_source(topk_idx, 4, 2, rank=1, status=status)
     assert send_mask.tolist() == [[False, True], [True, False], [False, False], [True, True]]
     assert dest_rank.tolist() == [[1, 1, -1], [0, -1, 0], [-1, -1, -1], [-1, 1, 0]]
     assert slab_expert[1].tolist() == [[0, 1, -1], [-1, -1, -1], [-1, -1, -1], [-1, 0, -1]]
     assert slab_expert[0].tolist() == [[-1, -1, -1], [0, -1, 1], [-1, -1, -1], [-1, -1, 0]]
-    assert status[layout.STATUS_NUM_INVALID] == 2
-    assert status[layout.STATUS_FIRST_INVALID] == (1 << 32) + 1  # rank 1, token 1
+    assert status[protocol.STATUS_NUM_INVALID] == 2
+    assert status[protocol.STATUS_FIRST_INVALID] == (1 << 32) + 1  # rank 1, token 1
 
 
 def test_plan_destination_orders_aligns_and_drops():
-    status = layout.new_status(torch.device("cpu"))
+    status = protocol.new_status(torch.device("cpu"))
     # 2 sources, 3 slab rows, top-2, 2 local experts. Entries of expert 0 in (s, t, k) order:
     # (0,0,1) (0,2,0) (1,0,0) (1,1,1); expert 1: (0,0,0) (1,1,0).
     recv_expert = torch.tensor(
@@ -31,35 +31,35 @@ def test_plan_destination_orders_aligns_and_drops():
         ],
         dtype=torch.int32,
     )
-    plan = layout.plan_destination(recv_expert, 2, expert_alignment=4, expert_capacity=None, status=status)
+    plan = routing.plan_destination(recv_expert, 2, expert_alignment=4, expert_capacity=None, status=status)
     assert plan.tokens_per_expert.tolist() == [4, 2]
     assert plan.expert_offsets.tolist() == [4, 8]
     assert plan.recv_pos.tolist() == [[[4, 0], [-1, -1], [1, -1]], [[2, -1], [5, 3], [-1, -1]]]
-    assert status[layout.STATUS_NUM_DROPPED] == 0
+    assert status[protocol.STATUS_NUM_DROPPED] == 0
 
-    capped = layout.plan_destination(recv_expert, 2, expert_alignment=4, expert_capacity=3, status=status)
+    capped = routing.plan_destination(recv_expert, 2, expert_alignment=4, expert_capacity=3, status=status)
     # Expert 0 keeps its first three entries; (1,1,1) is dropped and marked -2.
     assert capped.tokens_per_expert.tolist() == [3, 2]
     assert capped.recv_pos.tolist() == [[[4, 0], [-1, -1], [1, -1]], [[2, -1], [5, -2], [-1, -1]]]
-    assert status[layout.STATUS_NUM_DROPPED] == 1
-    assert status[layout.STATUS_FIRST_DROPPED] == (1 << 32) + 1  # from source 1, token 1
+    assert status[protocol.STATUS_NUM_DROPPED] == 1
+    assert status[protocol.STATUS_FIRST_DROPPED] == (1 << 32) + 1  # from source 1, token 1
 
 
 def test_expand_and_combine_follow_the_fixed_order():
     recv_pos = torch.tensor([[[1, -1]], [[0, 2]]], dtype=torch.int32)  # W=2, M=1, K=2
     recv_rows = torch.tensor([[[1.0, 2.0]], [[3.0, 4.0]]])
-    out = layout.expand_rows(recv_rows, recv_pos, capacity_rows=4)
+    out = routing.expand_rows(recv_rows, recv_pos, capacity_rows=4)
     assert out.tolist() == [[3.0, 4.0], [1.0, 2.0], [3.0, 4.0], [0.0, 0.0]]
 
     weights = torch.tensor([[[0.5, 9.0]], [[2.0, 0.25]]])
     y = torch.tensor([[1.0, 1.0], [2.0, 2.0], [4.0, 8.0], [float("nan"), 0.0]])
-    partial = layout.reduce_partials(y, recv_pos, weights)
+    partial = routing.reduce_partials(y, recv_pos, weights)
     assert partial.tolist() == [[[1.0, 1.0]], [[3.0, 4.0]]]  # a NaN in an unused row never leaks
-    assert layout.reduce_partials(y, recv_pos, None).tolist() == [[[2.0, 2.0]], [[5.0, 9.0]]]
+    assert routing.reduce_partials(y, recv_pos, None).tolist() == [[[2.0, 2.0]], [[5.0, 9.0]]]
 
     send_mask = torch.tensor([[True, True], [False, True], [False, False]])
     returned = torch.tensor([[[1.0], [7.0], [7.0]], [[2.0], [3.0], [7.0]]])
-    assert layout.sum_returned(returned, send_mask).tolist() == [[3.0], [3.0], [0.0]]
+    assert routing.sum_returned(returned, send_mask).tolist() == [[3.0], [3.0], [0.0]]
 
 
 def test_bf16_partials_round_once_after_float32_accumulation():
@@ -67,7 +67,7 @@ def test_bf16_partials_round_once_after_float32_accumulation():
     # round each 1 + 2^-8 (a tie) back to 1. The contract: float32 sum, one rounding at the end.
     recv_pos = torch.tensor([[[0, 1, 2]]], dtype=torch.int32)
     y = torch.tensor([[1.0], [2.0**-8], [2.0**-8]]).bfloat16()
-    partial = layout.reduce_partials(y, recv_pos, torch.ones(1, 1, 3))
+    partial = routing.reduce_partials(y, recv_pos, torch.ones(1, 1, 3))
     assert partial.dtype is torch.bfloat16
     assert partial.float().item() == 1.0 + 2.0**-7
 
@@ -75,8 +75,8 @@ def test_bf16_partials_round_once_after_float32_accumulation():
 def test_entry_values_round_trip():
     recv_pos = torch.tensor([[[1, -1]], [[0, -2]]], dtype=torch.int32)
     row_vector = torch.tensor([10.0, 20.0, 30.0])
-    entries = layout.scatter_entry_values(row_vector, recv_pos)
+    entries = routing.scatter_entry_values(row_vector, recv_pos)
     assert entries.tolist() == [[[20.0, 0.0]], [[10.0, 0.0]]]
     dest_rank = torch.tensor([[1, -1]], dtype=torch.int32)
-    assert layout.gather_entry_values(entries, dest_rank).tolist() == [[10.0, 0.0]]
-    assert layout.row_values(recv_pos, torch.tensor([[[0.5, 7.0]], [[0.25, 7.0]]]), 3).tolist() == [0.25, 0.5, 0.0]
+    assert routing.gather_entry_values(entries, dest_rank).tolist() == [[10.0, 0.0]]
+    assert routing.row_values(recv_pos, torch.tensor([[[0.5, 7.0]], [[0.25, 7.0]]]), 3).tolist() == [0.25, 0.5, 0.0]
