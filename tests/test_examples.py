@@ -1,4 +1,5 @@
-"""The examples run as users run them (contract: examples): ``examples/train_tiny_moe.py`` trains.
+"""The examples run as users run them (contract: examples): ``examples/train_tiny_moe.py`` trains,
+``examples/torchrun_step.py`` runs under torchrun.
 
 The script is run in a subprocess, as ``python examples/train_tiny_moe.py ...`` (its ranks are
 spawned from ``__main__``), on 2 CPU ranks of the reference backend.
@@ -54,3 +55,19 @@ def test_train_tiny_moe_refuses_bad_options():
     assert main(["--backend", "reference", "--steps", "2"]) == 2
     assert main(["--backend", "reference", "--seq-len", "7"]) == 2
     assert main(["--backend", "reference", "--world-size", "-1"]) == 2
+
+
+def test_torchrun_step_runs_on_cpu_ranks():
+    # The README's torchrun recipe, as a user runs it: 2 ranks, gloo and the reference backend
+    # (the GPUs are hidden, so the same script takes its CPU path on a GPU machine too).
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(ROOT / "examples" / "torchrun_step.py"), "--tokens", "16"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("rank "))
+    assert [line.split(":")[0] for line in lines] == ["rank 0/2 on reference", "rank 1/2 on reference"], result.stdout
+    assert all(": ok" in line for line in lines)
