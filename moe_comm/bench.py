@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from .baselines import HostSplitAllToAll, PaddedAllToAll, SymmMemAllToAll2d
 from .config import DTYPES, load_config
+from .errors import ConfigError
 from .dispatcher import Dispatcher
 
 __all__ = ["BenchOptions", "bench_rank", "write_results", "main"]
@@ -492,23 +493,69 @@ def write_results(rows: list[dict], meta: dict, out_dir: Path, name: str) -> lis
     return written
 
 
+# Without GPUs the bench runs CPU ranks on the reference backend, as a smoke run: the GPU workload
+# (hidden 7168, 256 experts, T up to 4096, two routings) took over 12 minutes there.
+_CPU_WORKLOAD = {"tokens": (1, 32, 128), "routings": ("uniform",), "hidden": 1024, "num_experts": 16, "topk": 4,
+                 "repeats": 10}
+_WORKLOAD_FLAGS = {"tokens": "--tokens", "routings": "--routing", "hidden": "--hidden", "num_experts": "--experts",
+                   "topk": "--topk", "repeats": "--repeats"}
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moe-comm bench", description=__doc__.split("\n\n")[0])
+    cpu = " ".join(f"{flag} {' '.join(map(str, _CPU_WORKLOAD[key])) if isinstance(_CPU_WORKLOAD[key], tuple) else _CPU_WORKLOAD[key]}"
+                   for key, flag in _WORKLOAD_FLAGS.items())
+    parser = argparse.ArgumentParser(
+        prog="moe-comm bench", description=__doc__.split("\n\n")[0],
+        epilog=f"Without GPUs the defaults are a CPU-sized smoke run (about a minute): {cpu}.",
+    )
     defaults = BenchOptions()
-    parser.add_argument("--tokens", type=int, nargs="+", default=list(defaults.tokens))
-    parser.add_argument("--routing", nargs="+", choices=("uniform", "skewed"), default=list(defaults.routings))
-    parser.add_argument("--hidden", type=int, default=defaults.hidden)
-    parser.add_argument("--experts", type=int, default=defaults.num_experts)
-    parser.add_argument("--topk", type=int, default=defaults.topk)
+    parser.add_argument("--tokens", type=int, nargs="+", help=f"tokens per rank (GPU default {' '.join(map(str, defaults.tokens))})")
+    parser.add_argument("--routing", nargs="+", choices=("uniform", "skewed"),
+                        help=f"routings (GPU default {' '.join(defaults.routings)})")
+    parser.add_argument("--hidden", type=int, help=f"hidden width (GPU default {defaults.hidden})")
+    parser.add_argument("--experts", type=int, help=f"global experts (GPU default {defaults.num_experts})")
+    parser.add_argument("--topk", type=int, help=f"experts per token (GPU default {defaults.topk})")
     parser.add_argument("--backend", default=defaults.backend)
     parser.add_argument("--num-sms", type=int, default=defaults.num_sms)
-    parser.add_argument("--repeats", type=int, default=defaults.repeats)
+    parser.add_argument("--repeats", type=int, help=f"timed runs per median (GPU default {defaults.repeats})")
     parser.add_argument("--no-baselines", action="store_true")
     parser.add_argument("--sweep-sms", type=int, nargs="*", default=[], help="num_sms values to sweep")
     parser.add_argument("--ranks", type=int, default=2, help="CPU ranks when there is no GPU")
     parser.add_argument("--name", default=None, help="results file name (default: from the machine)")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"),
+                        help="results folder (default: benchmarks/results under the current directory)")
     return parser
+
+
+def _options(args: argparse.Namespace, gpus: int) -> BenchOptions:
+    """The options of this run: the command line, else the GPU defaults, else the CPU-sized workload."""
+    fallback = asdict(BenchOptions()) if gpus else {**asdict(BenchOptions()), **_CPU_WORKLOAD}
+    given = {key: getattr(args, flag[2:]) for key, flag in _WORKLOAD_FLAGS.items()}
+    chosen = {key: fallback[key] if value is None else value for key, value in given.items()}
+    return BenchOptions(
+        tokens=tuple(chosen["tokens"]), routings=tuple(chosen["routings"]), hidden=chosen["hidden"],
+        num_experts=chosen["num_experts"], topk=chosen["topk"], backend=args.backend if gpus else "reference",
+        num_sms=args.num_sms, repeats=chosen["repeats"], baselines=not args.no_baselines,
+        sms_sweep=tuple(args.sweep_sms), dtype="bfloat16" if gpus else "float32",
+    )
+
+
+def _check_options(options: BenchOptions, world_size: int) -> None:
+    """Refuse a workload no rank could run, before any rank starts (one line instead of N tracebacks).
+
+    Raises:
+        ConfigError: a size does not make a valid config for ``world_size`` ranks (names the option).
+    """
+    for name, values in (("--tokens", options.tokens), ("--repeats", (options.repeats,)),
+                         ("--sweep-sms", options.sms_sweep), ("--num-sms", (options.num_sms,))):
+        bad = [value for value in values if value < 1]
+        if bad:
+            raise ConfigError(f"{name}: got {' '.join(map(str, bad))}, expected positive integers")
+    config = load_config(
+        None, backend=options.backend, num_experts=options.num_experts, topk=options.topk, hidden=options.hidden,
+        max_tokens_per_rank=max(options.tokens), dtype=options.dtype, num_sms=options.num_sms,
+    )
+    config.check_world(world_size)
 
 
 def main(argv: Optional[list] = None) -> int:
@@ -517,14 +564,19 @@ def main(argv: Optional[list] = None) -> int:
 
     args = _parser().parse_args(argv)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    options = BenchOptions(
-        tokens=tuple(args.tokens), routings=tuple(args.routing), hidden=args.hidden, num_experts=args.experts,
-        topk=args.topk, backend=args.backend if gpus else "reference", num_sms=args.num_sms,
-        repeats=args.repeats, baselines=not args.no_baselines, sms_sweep=tuple(args.sweep_sms),
-        dtype="bfloat16" if gpus else "float32",
-    )
+    options = _options(args, gpus)
     world_size = gpus or args.ranks
+    try:
+        if world_size < 1:
+            raise ConfigError(f"--ranks: got {args.ranks}, expected a positive number of CPU ranks")
+        _check_options(options, world_size)
+    except ConfigError as exc:
+        print(f"moe-comm bench: error: {exc}", file=sys.stderr)
+        return 2
     device = torch.cuda.get_device_name(0) if gpus else "CPU"
+    where = f"{gpus} GPU(s)" if gpus else f"{world_size} CPU ranks (reference backend; a smoke run, not a benchmark)"
+    print(f"moe-comm bench: {where}; T = {' '.join(map(str, options.tokens))}, hidden {options.hidden}, "
+          f"top-{options.topk} of {options.num_experts}; results go to {args.out.resolve()}", flush=True)
     results = run_ranks(bench_rank, world_size, options, dist_backend="nccl" if gpus else "gloo", gpu=bool(gpus),
                         timeout_s=1800.0)
     rows = results[0]

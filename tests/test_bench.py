@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 import torch
 import torch.distributed as dist
 
 from moe_comm.baselines import HostSplitAllToAll, PaddedAllToAll, SymmMemAllToAll2d, chunks_per_rank, covered_rows
+from moe_comm import bench
 from moe_comm.bench import BenchOptions, bench_rank, make_routing, write_results
 from multirank import run_ranks
 
@@ -132,3 +135,26 @@ def test_bench_rows_and_files(tmp_path):
     assert "| moe_comm | eager | uniform | 4 |" in table
     assert f"| {SymmMemAllToAll2d.name} | unavailable | uniform | 4 |" in table and "needs CUDA GPUs" in table
     assert {p.suffix for p in written} >= {".json", ".md"}
+
+
+def test_cpu_defaults_are_a_smoke_run_and_flags_win():
+    # Without GPUs the GPU workload ran for over 12 minutes; the CPU defaults must stay small.
+    options = bench._options(bench._parser().parse_args([]), gpus=0)
+    assert (options.tokens, options.hidden, options.num_experts, options.backend) == ((1, 32, 128), 1024, 16,
+                                                                                     "reference")
+    assert bench._options(bench._parser().parse_args([]), gpus=2).tokens == BenchOptions().tokens
+    given = bench._options(bench._parser().parse_args(["--tokens", "8", "--hidden", "64"]), gpus=0)
+    assert (given.tokens, given.hidden, given.topk) == ((8,), 64, 4)
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--topk", "300"], "'topk': got 300"),
+    (["--ranks", "3"], "a multiple of the world size (3)"),
+    (["--ranks", "0"], "--ranks: got 0"),
+    (["--tokens", "4", "0"], "--tokens: got 0"),
+])
+def test_bad_workload_is_one_line_before_any_rank_starts(argv, fragment, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # --ranks counts CPU ranks
+    assert bench.main(argv + ["--out", "/nonexistent/never-written"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moe-comm bench: error: ") and fragment in err and err.count("\n") == 1
