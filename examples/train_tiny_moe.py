@@ -222,6 +222,9 @@ def main(argv=None) -> int:
         problems.append(f"--world-size {world_size}: one rank per GPU, and this machine has {torch.cuda.device_count()}")
     if world_size < 1:
         problems.append(f"--world-size: got {world_size}, expected at least 1")
+    elif config.num_experts % world_size:
+        problems.append(f"--world-size {world_size}: the {config.num_experts} experts must split evenly over the "
+                        "ranks (expert-parallel); use a divisor of num_experts")
     if args.steps < 2 * WINDOW or (args.graph and args.steps <= WARMUP_STEPS):
         problems.append(f"--steps: got {args.steps}, expected at least {max(2 * WINDOW, WARMUP_STEPS + 1)}")
     if config.max_tokens_per_rank % args.seq_len:

@@ -249,7 +249,10 @@ def _read_source(source: Union[None, str, os.PathLike, Mapping[str, Any]]) -> di
         except yaml.YAMLError as exc:
             raise ConfigError(f"config file {os.fspath(source)!r} is not valid YAML: {exc}") from None
         if data is None:
-            data = {}
+            # An empty file is more often a mistake (a wrong path, a truncated write) than a wish for
+            # the defaults, which load_config(None) gives.
+            raise ConfigError(f"config file {os.fspath(source)!r} is empty; write the keys it should set, or "
+                              "load the embedded default with load_config(None) (no --config)")
     else:
         raise ConfigError(f"load_config source: got {type(source).__name__}, expected a YAML path, a dict or None")
     if not isinstance(data, Mapping):

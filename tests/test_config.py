@@ -89,6 +89,11 @@ def test_bad_sources(tmp_path):
         load_config(listing)
     with pytest.raises(ConfigError, match="expected a YAML path, a dict or None"):
         load_config(42)
+    # An empty file is refused, not read as "the defaults": it is usually a wrong or truncated file.
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# nothing yet\n")
+    with pytest.raises(ConfigError, match="is empty; write the keys"):
+        load_config(empty)
 
 
 def test_world_dependent_values():

@@ -55,6 +55,7 @@ def test_train_tiny_moe_refuses_bad_options():
     assert main(["--backend", "reference", "--steps", "2"]) == 2
     assert main(["--backend", "reference", "--seq-len", "7"]) == 2
     assert main(["--backend", "reference", "--world-size", "-1"]) == 2
+    assert main(["--backend", "reference", "--world-size", "3"]) == 2  # 8 experts do not split over 3 ranks
 
 
 def test_torchrun_step_runs_on_cpu_ranks():
