@@ -12,12 +12,14 @@ the backward functions always make all their exchanges, whichever inputs need gr
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from .routing import Routing, row_values
 from .backends.base import Backend, DispatchResult
 
-__all__ = ["dispatch_with_grad", "combine_with_grad"]
+__all__ = ["dispatch_with_grad", "combine_with_grad", "combine_backward"]
 
 
 class _Dispatch(torch.autograd.Function):
@@ -47,17 +49,42 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_z):
         (y,) = ctx.saved_tensors
-        routing = ctx.routing
-        spread = ctx.backend.redispatch(grad_z.contiguous(), routing).float()
-        rows = y.shape[0]
-        row_weight = row_values(routing.recv_pos, routing.recv_weight, rows)
-        row_used = row_values(routing.recv_pos, torch.ones_like(routing.recv_weight), rows) > 0
-        # Rows no entry maps to (padding, and rows past the last segment) get an exact zero,
-        # so whatever they held cannot leak a NaN into the experts' weight gradients.
-        grad_y = torch.where(row_used[:, None], spread * row_weight[:, None], torch.zeros_like(spread)).to(y.dtype)
-        row_dot = torch.where(row_used, (spread * y.float()).sum(dim=1), torch.zeros_like(row_weight))
-        grad_weights = ctx.backend.return_entry_values(row_dot, routing)
+        backend, routing = ctx.backend, ctx.routing
+        grad_y, grad_weights = combine_backward(
+            grad_z, y, routing,
+            redispatch=lambda rows: backend.redispatch(rows, routing),
+            return_entry_values=lambda values: backend.return_entry_values(values, routing),
+        )
         return grad_y, grad_weights, None, None
+
+
+def combine_backward(
+    grad_z: torch.Tensor,
+    y: torch.Tensor,
+    routing: Routing,
+    redispatch: Callable[[torch.Tensor], torch.Tensor],
+    return_entry_values: Callable[[torch.Tensor], torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of a weighted combine, for the eager path and the custom ops alike.
+
+    Args:
+        grad_z: ``[T, H]`` gradient of combine's output. y: ``[capacity_rows, H]`` its input.
+        routing: the dispatch's routing. redispatch: sends ``[T, H]`` rows along it and returns
+            them expert-major ``[capacity_rows, H]``. return_entry_values: returns a
+            ``[capacity_rows]`` float32 vector's value of every entry to its source, ``[T, K]``.
+
+    Returns:
+        ``grad_y [capacity_rows, H]`` (y's dtype) and ``grad_topk_weights [T, K]`` float32.
+    """
+    spread = redispatch(grad_z.contiguous()).float()
+    rows = y.shape[0]
+    row_weight = row_values(routing.recv_pos, routing.recv_weight, rows)
+    row_used = row_values(routing.recv_pos, torch.ones_like(routing.recv_weight), rows) > 0
+    # Rows no entry maps to (padding, and rows past the last segment) get an exact zero,
+    # so whatever they held cannot leak a NaN into the experts' weight gradients.
+    grad_y = torch.where(row_used[:, None], spread * row_weight[:, None], torch.zeros_like(spread)).to(y.dtype)
+    row_dot = torch.where(row_used, (spread * y.float()).sum(dim=1), torch.zeros_like(row_weight))
+    return grad_y, return_entry_values(row_dot)
 
 
 def dispatch_with_grad(

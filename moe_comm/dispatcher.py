@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import protocol
+from . import ops, protocol
 from .routing import Routing
 from .autograd import combine_with_grad, dispatch_with_grad
 from .backends import create_backend, host_identity, resolve_backend_name
@@ -139,6 +139,7 @@ class Dispatcher:
         self.capacity_rows = config.capacity_rows(self.world_size)
         self._id = next(_dispatcher_ids)
         self._backend = create_backend(self.backend_name, config, group, self.device)
+        ops.register_backend(self._id, self._backend)
         self._closed = False
 
     def _check_same_config(self) -> list[tuple[str, str]]:
@@ -162,6 +163,11 @@ class Dispatcher:
     def _live_backend(self):
         if self._closed:
             raise MoeCommError("this Dispatcher is closed; build a new one")
+        if self.config.check_every_step and torch.compiler.is_compiling():
+            raise ConfigError(
+                "config key 'check_every_step' is true, but this call is being compiled by torch.compile, whose graphs "
+                "cannot read the status on the host; compile with check_every_step false and call check() between steps"
+            )
         if self.config.check_every_step and self._capturing():
             # Raised before any launch, so the capture itself stays valid.
             raise ConfigError(
@@ -196,7 +202,9 @@ class Dispatcher:
         # [T, K]: T from x, K = topk from the config; a mismatch between the two names the one that is off.
         _check_tensor("topk_idx", topk_idx, (num_tokens, cfg.topk), _INDEX_DTYPES, self.device, "int32 or int64")
         _check_tensor("topk_weights", topk_weights, (num_tokens, cfg.topk), (torch.float32,), self.device, "float32")
-        if torch.is_grad_enabled() and x.requires_grad:
+        if torch.compiler.is_compiling():
+            result = ops.dispatch(self._id, x, topk_idx, topk_weights)
+        elif torch.is_grad_enabled() and x.requires_grad:
             result = dispatch_with_grad(backend, x, topk_idx, topk_weights)
         else:
             result = backend.dispatch(x, topk_idx, topk_weights)
@@ -224,7 +232,9 @@ class Dispatcher:
             raise InputError("handle: it comes from another Dispatcher; combine with the dispatcher that dispatched")
         _check_tensor("y", y, (self.capacity_rows, cfg.hidden), (cfg.torch_dtype,), self.device, cfg.dtype)
         weights = handle.topk_weights
-        if torch.is_grad_enabled() and (y.requires_grad or weights.requires_grad):
+        if torch.compiler.is_compiling():
+            z = ops.combine(self._id, y, weights, handle.routing)
+        elif torch.is_grad_enabled() and (y.requires_grad or weights.requires_grad):
             z = combine_with_grad(backend, y, weights, handle.routing)
         else:
             z = backend.combine(y, handle.routing, weighted=True)
@@ -297,6 +307,7 @@ class Dispatcher:
         """Release every buffer and mapping; idempotent. The dispatcher cannot be used afterwards."""
         if not self._closed:
             self._closed = True
+            ops.unregister_backend(self._id)
             self._backend.close()
 
     def __enter__(self) -> "Dispatcher":

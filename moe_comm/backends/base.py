@@ -53,8 +53,14 @@ class Backend(abc.ABC):
         self.status = protocol.new_status(device)
 
     @abc.abstractmethod
-    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> DispatchResult:
-        """Send ``x [T, H]`` to the ranks of its experts and lay it out expert-major there."""
+    def dispatch(
+        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *, separate_outputs: bool = False
+    ) -> DispatchResult:
+        """Send ``x [T, H]`` to the ranks of its experts and lay it out expert-major there.
+
+        ``separate_outputs``: every returned tensor has its own storage (torch custom ops may not
+        return aliasing tensors); otherwise a backend may pack small outputs into one allocation.
+        """
 
     @abc.abstractmethod
     def redispatch(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:

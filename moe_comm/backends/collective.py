@@ -194,7 +194,10 @@ class CollectiveBackend(Backend):
     def _send_tokens(self, rows: torch.Tensor, send_mask: torch.Tensor, phase: str) -> torch.Tensor:
         return self._exchange(gather_send_rows(rows, send_mask, self.config.max_tokens_per_rank), phase)
 
-    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> DispatchResult:
+    def dispatch(
+        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *, separate_outputs: bool = False
+    ) -> DispatchResult:
+        del separate_outputs  # every output below is its own allocation
         cfg = self.config
         send_mask, dest_rank, slab_expert = plan_source(
             topk_idx, cfg.num_experts, self.world_size, self.rank, self.status

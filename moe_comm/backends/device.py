@@ -43,14 +43,25 @@ _PIECE_WORDS = 32  # every piece of _dispatch_outputs starts on a 128-byte line
 
 
 def _dispatch_outputs(num_tokens: int, world: int, max_tokens_per_rank: int, topk: int, num_local_experts: int,
-                      device: torch.device) -> tuple:
-    """The dispatch kernel's small outputs, as views of one int32 allocation on ``device``:
-    ``expert_offsets``, ``tokens_per_expert [L]`` int32, ``dest_rank [T, K]`` int32, ``recv_pos`` /
-    ``recv_weight [W, M, K]`` int32 / float32 and ``send_mask [T, W]`` bool, each contiguous.
+                      device: torch.device, separate: bool) -> tuple:
+    """The dispatch kernel's small outputs on ``device``: ``expert_offsets``, ``tokens_per_expert [L]``
+    int32, ``dest_rank [T, K]`` int32, ``recv_pos`` / ``recv_weight [W, M, K]`` int32 / float32 and
+    ``send_mask [T, W]`` bool, each contiguous; views of one int32 allocation unless ``separate``.
 
     NOTE: one torch.empty on CUDA costs ~3.3 us of host time on the GPU machines and a view ~1.5
-    us; eager calls at decode sizes are host-bound, and these were six allocations.
+    us; eager calls at decode sizes are host-bound, and these were six allocations. The custom
+    ops (``moe_comm.ops``, torch.compile) need ``separate``: their outputs may not alias.
     """
+    if separate:
+        slab = (world, max_tokens_per_rank, topk)
+        return (
+            torch.empty(num_local_experts, dtype=torch.int32, device=device),
+            torch.empty(num_local_experts, dtype=torch.int32, device=device),
+            torch.empty((num_tokens, topk), dtype=torch.int32, device=device),
+            torch.empty(slab, dtype=torch.int32, device=device),
+            torch.empty(slab, dtype=torch.float32, device=device),
+            torch.empty((num_tokens, world), dtype=torch.bool, device=device),
+        )
     sizes = (num_local_experts, num_local_experts, num_tokens * topk, world * max_tokens_per_rank * topk, world * max_tokens_per_rank * topk,
              -(-num_tokens * world // 4))
     starts = []
@@ -215,12 +226,15 @@ class DeviceBackend(Backend):
 
     # ------------------------------------------------------------------ per step
 
-    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> DispatchResult:
+    def dispatch(
+        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *, separate_outputs: bool = False
+    ) -> DispatchResult:
         cfg = self.config
         device = self.device
         num_tokens = x.shape[0]
         expert_offsets, tokens_per_expert, dest_rank, recv_pos, recv_weight, send_mask = _dispatch_outputs(
-            num_tokens, self.world_size, cfg.max_tokens_per_rank, cfg.topk, self.num_local_experts, device
+            num_tokens, self.world_size, cfg.max_tokens_per_rank, cfg.topk, self.num_local_experts, device,
+            separate_outputs,
         )
         out_x = torch.empty((self.capacity_rows, cfg.hidden), dtype=self.dtype, device=device)
         self._dispatch_kernels.dispatch(

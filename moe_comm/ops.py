@@ -1,0 +1,195 @@
+"""Dispatch and combine as torch custom ops (``torch.ops.moe_comm.*``), for ``torch.compile``.
+
+``torch.compile`` traces Python into a graph; the host-side state of a call (symmetric buffers,
+kernels, launch parameters, epochs) must stay out of it. Each op is opaque to the compiler: it
+takes tensors and the integer id of a ``Dispatcher`` (a constant of the graph) and looks up that
+dispatcher's backend in a registry here. Fake implementations give every output's shape and
+dtype from the backend's config alone, and autograd is registered on the ops with the same
+backward math as the eager path (:mod:`moe_comm.autograd`), so a compiled model differentiates
+through dispatch and combine.
+
+Eager calls do not come here: ``Dispatcher`` calls its backend directly unless
+``torch.compiler.is_compiling()``, because an op call costs host time (the dispatcher's
+boxing) that decode loops would pay on every call. Both paths run the same backend methods.
+
+NOTE: custom ops may not return tensors that alias each other, so the op asks the backend for
+separate allocations (``separate_outputs=True``); eager dispatch packs its small outputs into
+one allocation to save host time.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .autograd import combine_backward
+from .backends.base import Backend, DispatchResult
+from .errors import MoeCommError
+from .routing import Routing
+
+__all__ = ["register_backend", "unregister_backend", "dispatch", "combine"]
+
+_backends: dict[int, Backend] = {}
+
+
+def register_backend(dispatcher_id: int, backend: Backend) -> None:
+    """Make ``backend`` reachable from the ops as ``dispatcher_id`` (``Dispatcher`` does this when built)."""
+    _backends[dispatcher_id] = backend
+
+
+def unregister_backend(dispatcher_id: int) -> None:
+    """Forget ``dispatcher_id`` (``Dispatcher.close``); a graph that still names it then fails clearly."""
+    _backends.pop(dispatcher_id, None)
+
+
+def _backend(dispatcher_id: int) -> Backend:
+    backend = _backends.get(dispatcher_id)
+    if backend is None:
+        raise MoeCommError(
+            f"dispatcher {dispatcher_id} is closed or was never built in this process; a compiled graph that "
+            "uses it must be recompiled with a live Dispatcher"
+        )
+    return backend
+
+
+def _routing(send_mask: Tensor, dest_rank: Tensor, recv_pos: Tensor, recv_weight: Tensor) -> Routing:
+    return Routing(send_mask.shape[0], send_mask, dest_rank, recv_pos, recv_weight)
+
+
+# ------------------------------------------------------------------------------------------ dispatch
+
+
+@torch.library.custom_op("moe_comm::dispatch", mutates_args=())
+def _dispatch_op(
+    x: Tensor, topk_idx: Tensor, topk_weights: Tensor, dispatcher_id: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Returns ``out.x``, ``expert_offsets``, ``tokens_per_expert`` and the routing's four tensors."""
+    result = _backend(dispatcher_id).dispatch(x, topk_idx, topk_weights, separate_outputs=True)
+    routing = result.routing
+    return (result.x, result.expert_offsets, result.tokens_per_expert, routing.send_mask, routing.dest_rank,
+            routing.recv_pos, routing.recv_weight)
+
+
+@_dispatch_op.register_fake
+def _dispatch_fake(x, topk_idx, topk_weights, dispatcher_id):
+    backend = _backend(dispatcher_id)
+    cfg = backend.config
+    tokens = x.shape[0]
+    slab = (backend.world_size, cfg.max_tokens_per_rank, cfg.topk)
+    local = backend.num_local_experts
+    return (
+        x.new_empty((backend.capacity_rows, cfg.hidden)),
+        x.new_empty((local,), dtype=torch.int32),
+        x.new_empty((local,), dtype=torch.int32),
+        x.new_empty((tokens, backend.world_size), dtype=torch.bool),
+        x.new_empty((tokens, cfg.topk), dtype=torch.int32),
+        x.new_empty(slab, dtype=torch.int32),
+        x.new_empty(slab, dtype=torch.float32),
+    )
+
+
+def _dispatch_setup(ctx, inputs, output) -> None:
+    ctx.dispatcher_id = inputs[3]
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.save_for_backward(*output[3:])
+
+
+def _dispatch_backward(ctx, grad_rows, *_unused):
+    # The rows' gradients go back to their tokens and are summed there: an unweighted combine.
+    send_mask, dest_rank, recv_pos, recv_weight = ctx.saved_tensors
+    grad_x = torch.ops.moe_comm.combine(
+        grad_rows.contiguous(), None, send_mask, dest_rank, recv_pos, recv_weight, ctx.dispatcher_id, False
+    )
+    return grad_x, None, None, None
+
+
+torch.library.register_autograd("moe_comm::dispatch", _dispatch_backward, setup_context=_dispatch_setup)
+
+
+def dispatch(dispatcher_id: int, x: Tensor, topk_idx: Tensor, topk_weights: Tensor) -> DispatchResult:
+    """``Backend.dispatch`` of dispatcher ``dispatcher_id`` through the custom op (differentiable in ``x``)."""
+    out_x, offsets, counts, *routing = torch.ops.moe_comm.dispatch(x, topk_idx, topk_weights, dispatcher_id)
+    return DispatchResult(out_x, offsets, counts, _routing(*routing))
+
+
+# ------------------------------------------------------------------------------------------- combine
+
+
+@torch.library.custom_op("moe_comm::combine", mutates_args=())
+def _combine_op(
+    y: Tensor, topk_weights: Optional[Tensor], send_mask: Tensor, dest_rank: Tensor, recv_pos: Tensor,
+    recv_weight: Tensor, dispatcher_id: int, weighted: bool,
+) -> Tensor:
+    """``z [T, H]``; ``topk_weights`` is an input only so autograd can reach it (the weights the
+    destination applies travelled with dispatch as ``recv_weight``)."""
+    routing = _routing(send_mask, dest_rank, recv_pos, recv_weight)
+    return _backend(dispatcher_id).combine(y, routing, weighted=weighted)
+
+
+@_combine_op.register_fake
+def _combine_fake(y, topk_weights, send_mask, dest_rank, recv_pos, recv_weight, dispatcher_id, weighted):
+    return y.new_empty((send_mask.shape[0], y.shape[1]))
+
+
+def _combine_setup(ctx, inputs, output) -> None:
+    y, topk_weights, send_mask, dest_rank, recv_pos, recv_weight, dispatcher_id, weighted = inputs
+    ctx.dispatcher_id = dispatcher_id
+    ctx.weighted = weighted
+    ctx.save_for_backward(y, send_mask, dest_rank, recv_pos, recv_weight)
+
+
+def _combine_backward(ctx, grad_z):
+    if not ctx.weighted:
+        raise MoeCommError("the unweighted combine is dispatch's backward; it has no backward of its own")
+    y, *routing_tensors = ctx.saved_tensors
+    dispatcher_id = ctx.dispatcher_id
+    routing = _routing(*routing_tensors)
+    grad_y, grad_weights = combine_backward(
+        grad_z, y, routing,
+        redispatch=lambda rows: torch.ops.moe_comm.redispatch(rows, *routing_tensors, dispatcher_id),
+        return_entry_values=lambda values: torch.ops.moe_comm.return_entry_values(
+            values, *routing_tensors, dispatcher_id),
+    )
+    return grad_y, grad_weights, None, None, None, None, None, None
+
+
+torch.library.register_autograd("moe_comm::combine", _combine_backward, setup_context=_combine_setup)
+
+
+def combine(dispatcher_id: int, y: Tensor, topk_weights: Tensor, routing: Routing) -> Tensor:
+    """``Backend.combine`` (weighted) through the custom op; differentiable in ``y`` and ``topk_weights``."""
+    return torch.ops.moe_comm.combine(y, topk_weights, routing.send_mask, routing.dest_rank, routing.recv_pos,
+                                      routing.recv_weight, dispatcher_id, True)
+
+
+# ---------------------------------------------------------------------------- combine's backward
+
+
+@torch.library.custom_op("moe_comm::redispatch", mutates_args=())
+def _redispatch_op(
+    x: Tensor, send_mask: Tensor, dest_rank: Tensor, recv_pos: Tensor, recv_weight: Tensor, dispatcher_id: int
+) -> Tensor:
+    """``[capacity_rows, H]``: rows of ``x [T, H]`` sent along an existing routing."""
+    return _backend(dispatcher_id).redispatch(x, _routing(send_mask, dest_rank, recv_pos, recv_weight))
+
+
+@_redispatch_op.register_fake
+def _redispatch_fake(x, send_mask, dest_rank, recv_pos, recv_weight, dispatcher_id):
+    return x.new_empty((_backend(dispatcher_id).capacity_rows, x.shape[1]))
+
+
+@torch.library.custom_op("moe_comm::return_entry_values", mutates_args=())
+def _return_entry_values_op(
+    row_vector: Tensor, send_mask: Tensor, dest_rank: Tensor, recv_pos: Tensor, recv_weight: Tensor,
+    dispatcher_id: int,
+) -> Tensor:
+    """``[T, K]`` float32: each assignment's value of ``row_vector [capacity_rows]``, from its destination."""
+    routing = _routing(send_mask, dest_rank, recv_pos, recv_weight)
+    return _backend(dispatcher_id).return_entry_values(row_vector, routing)
+
+
+@_return_entry_values_op.register_fake
+def _return_entry_values_fake(row_vector, send_mask, dest_rank, recv_pos, recv_weight, dispatcher_id):
+    return row_vector.new_empty(tuple(dest_rank.shape), dtype=torch.float32)

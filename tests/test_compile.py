@@ -1,0 +1,101 @@
+"""torch.compile (contract: compile): the custom ops, and compiled steps equal to eager.
+
+On 2 gloo ranks of the ``reference`` backend: ``torch.library.opcheck`` of every op (schema,
+fake implementation, autograd registration, AOT dispatch), and a dispatch -> experts -> combine
+step compiled with ``fullgraph=True`` (one graph, no break) giving eager's output and gradients.
+Inductor compiles C++ on the CPU (tens of seconds), so each rank compiles once per scenario.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moe_comm
+from multirank import run_ranks
+
+HIDDEN, EXPERTS, TOPK, TOKENS = 32, 8, 2, 12
+
+
+def _config(**overrides) -> moe_comm.Config:
+    return moe_comm.load_config(None, backend="reference", num_experts=EXPERTS, topk=TOPK, hidden=HIDDEN,
+                                max_tokens_per_rank=16, dtype="float32", **overrides)
+
+
+def _inputs(rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(rank)
+    x = torch.randn(TOKENS, HIDDEN, generator=generator, requires_grad=True)
+    topk_idx = torch.randint(0, EXPERTS, (TOKENS, TOPK), generator=generator)
+    topk_idx[0, 1] = -1  # a token with one assignment fewer
+    topk_weights = torch.rand(TOKENS, TOPK, generator=generator, requires_grad=True)
+    return x, topk_idx, topk_weights
+
+
+def _opcheck_rank(rank: int, world_size: int) -> list[dict]:
+    x, topk_idx, topk_weights = _inputs(rank)
+    with moe_comm.Dispatcher(_config()) as disp:
+        ident = disp._id
+        reports = [torch.library.opcheck(torch.ops.moe_comm.dispatch.default, (x, topk_idx, topk_weights, ident))]
+        out_x, _, _, *routing = torch.ops.moe_comm.dispatch(x.detach(), topk_idx, topk_weights.detach(), ident)
+        y = out_x.clone().requires_grad_()
+        reports.append(torch.library.opcheck(torch.ops.moe_comm.combine.default,
+                                             (y, topk_weights, *routing, ident, True)))
+        rows = torch.randn(TOKENS, HIDDEN)
+        reports.append(torch.library.opcheck(torch.ops.moe_comm.redispatch.default, (rows, *routing, ident)))
+        values = torch.randn(out_x.shape[0])
+        reports.append(torch.library.opcheck(torch.ops.moe_comm.return_entry_values.default,
+                                             (values, *routing, ident)))
+    return reports
+
+
+def test_custom_ops_pass_opcheck():
+    # Every op's fake implementation, schema and autograd registration, on both ranks (each
+    # check calls the op several times, in the same order everywhere: the calls are collective).
+    for reports in run_ranks(_opcheck_rank, 2):
+        for report in reports:
+            assert set(report.values()) == {"SUCCESS"}, report
+
+
+def _compiled_step_rank(rank: int, world_size: int) -> dict:
+    x, topk_idx, topk_weights = _inputs(rank)
+    scale = torch.randn(HIDDEN, generator=torch.Generator().manual_seed(100))
+    with moe_comm.Dispatcher(_config()) as disp:
+        def step(x, topk_idx, topk_weights):
+            out = disp.dispatch(x, topk_idx, topk_weights)
+            return disp.combine(out.x * scale, out.handle)  # experts: a per-channel scale
+
+        z = step(x, topk_idx, topk_weights)
+        (z * z).sum().backward()
+        eager = (z.detach(), x.grad.clone(), topk_weights.grad.clone())
+        x.grad = topk_weights.grad = None
+        explain = torch._dynamo.explain(step)(x, topk_idx, topk_weights)
+        compiled = torch.compile(step, fullgraph=True)
+        z = compiled(x, topk_idx, topk_weights)
+        (z * z).sum().backward()
+        got = (z.detach(), x.grad, topk_weights.grad)
+        disp.check()
+    return {"graphs": explain.graph_count, "breaks": explain.graph_break_count,
+            "errors": [((a - b).abs().max() / a.abs().max()).item() for a, b in zip(eager, got)]}
+
+
+def test_compiled_dispatch_combine_equals_eager():
+    for result in run_ranks(_compiled_step_rank, 2, timeout_s=600):
+        assert (result["graphs"], result["breaks"]) == (1, 0), result
+        # Output and the gradients of x and topk_weights (relative to their largest value);
+        # inductor may fuse and reorder the float32 math.
+        assert max(result["errors"]) < 1e-6, result
+
+
+def _check_every_step_rank(rank: int, world_size: int) -> str:
+    x, topk_idx, topk_weights = _inputs(rank)
+    with moe_comm.Dispatcher(_config(check_every_step=True)) as disp:
+        # Dynamo reports the ConfigError raised while tracing inside its own "unsupported" error.
+        with pytest.raises(Exception, match="check_every_step' is true") as info:
+            torch.compile(lambda x: disp.dispatch(x, topk_idx, topk_weights).x, fullgraph=True)(x)
+    return str(info.value)
+
+
+def test_check_every_step_is_refused_under_compile():
+    # A host read of the status cannot be part of a compiled graph: the error says what to do.
+    for message in run_ranks(_check_every_step_rank, 2):
+        assert "call check() between steps" in message
