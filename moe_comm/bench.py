@@ -39,10 +39,12 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from .agreement import agree
 from .baselines import HostSplitAllToAll, PaddedAllToAll, SymmMemAllToAll2d
 from .config import DTYPES, load_config
 from .errors import ConfigError
 from .dispatcher import Dispatcher
+from .errors import BackendError
 
 __all__ = ["BenchOptions", "bench_rank", "write_results", "main"]
 
@@ -294,9 +296,8 @@ def _measure_baseline(baseline, options: BenchOptions, work: _Workload, device: 
             failure = None
         except RuntimeError as exc:  # torch refused to capture it: measure it eagerly, say why
             failure = f"eager: CUDA graph capture failed ({_first_line(exc)})"
-        failures: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(failures, failure, group=group)  # replay only where every rank captured
-        failure = next((f for f in failures if f is not None), None)
+        failures = agree(group, lambda: failure, error=BackendError, what="reporting CUDA graph capture")
+        failure = next((f for f in failures if f is not None), None)  # replay only where every rank captured
         if failure is not None:
             result["note"] = failure
             return {**result, **_measure_baseline(baseline, options, work, device, group, graphs=False)}
@@ -333,11 +334,9 @@ def _rows(system: str, measured: dict, num_tokens: int, routing: str, num_sms: O
 
 def _open_symm_baseline(options: BenchOptions, device: torch.device, group):
     """``(SymmMemAllToAll2d or None, reason it is unavailable)``, the same on every rank (collective)."""
-    world_size = dist.get_world_size(group)
 
     def agreed(reason: Optional[str]) -> Optional[str]:
-        reasons: list = [None] * world_size
-        dist.all_gather_object(reasons, reason, group=group)
+        reasons = agree(group, lambda: reason, error=BackendError, what="reporting the NVSHMEM baseline's state")
         return next((r for r in reasons if r is not None), None)
 
     reason = agreed(SymmMemAllToAll2d.unavailable_reason(options.num_experts, device, group))

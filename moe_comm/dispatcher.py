@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from . import ops, protocol
+from .agreement import agree
 from .routing import Routing
 from .autograd import combine_with_grad, dispatch_with_grad
 from .backends import create_backend, host_identity, resolve_backend_name
@@ -149,8 +150,8 @@ class Dispatcher:
         so they get this error too (on every rank) instead of a hang or garbage later.
         """
         mine = self.config.fingerprint()
-        gathered: list = [None] * self.world_size
-        dist.all_gather_object(gathered, (mine, host_identity()), group=self.group)
+        gathered = agree(self.group, lambda: (mine, host_identity()), error=ConfigError,
+                         what="reading the config fingerprint and host identity")
         others = [r for r, (fingerprint, _) in enumerate(gathered) if fingerprint != mine]
         if others:
             raise ConfigError(

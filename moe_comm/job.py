@@ -3,7 +3,7 @@
 Each rank builds a :class:`moe_comm.layer.MoELayer`, and per step draws random tokens and a
 random upstream gradient from ``(seed, step, rank)``, runs forward and backward, and compares the
 output and the gradients of the input, the router weight and the expert weights with
-:func:`moe_comm.layer.dense_forward` computed in float32 over every rank's tokens (gathered, with
+:func:`moe_comm.reference.dense_forward` computed in float32 over every rank's tokens (gathered, with
 the routing the layer chose, so a near-tie cannot pick different experts in the two runs).
 Weights are not updated between steps: every step checks the same layer on new tokens.
 """
@@ -22,7 +22,8 @@ import torch.distributed as dist
 
 from .config import load_config
 from .errors import DeviceStatusError
-from .layer import MoELayer, build_dense_weights, dense_forward
+from .layer import MoELayer
+from .reference import build_dense_weights, dense_forward
 
 __all__ = ["TOLERANCE", "RunOptions", "StepResult", "PhaseTimer", "run_rank"]
 

@@ -27,8 +27,10 @@ import signal
 import tempfile
 import time
 import traceback
+from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
+from multiprocessing.context import SpawnContext, SpawnProcess
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
@@ -121,6 +123,150 @@ def _kill_all(processes: dict, stack_dir: str) -> dict[int, str]:
     return {rank: _stacks(stack_dir, rank) for rank in processes}
 
 
+@dataclass
+class _Outcome:
+    """What the parent learnt of every rank of one run.
+
+    results: rank -> ``fn``'s return value. failures: rank -> report text (traceback, exit code or
+    stacks). unfinished: the ranks that reported nothing by the deadline. hung: the ranks killed
+    while still running. first_failure: ``time.monotonic()`` when the first failure arrived.
+    """
+
+    unfinished: set[int]
+    results: dict[int, Any] = field(default_factory=dict)
+    failures: dict[int, str] = field(default_factory=dict)
+    hung: list[int] = field(default_factory=list)
+    first_failure: Optional[float] = None
+
+
+def _pickled_call(
+    fn: Callable[..., Any], world_size: int, args: tuple, delay_rank: Optional[tuple[int, float]]
+) -> bytes:
+    """``(fn, args)`` pickled for the children, after checking ``run_ranks``' arguments."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"run_ranks world_size: got {world_size!r}, expected an integer >= 1")
+    if delay_rank is not None and not (0 <= delay_rank[0] < world_size):
+        raise ValueError(f"run_ranks delay_rank: got rank {delay_rank[0]}, expected one in [0, {world_size})")
+    try:
+        return pickle.dumps((fn, args))
+    except Exception as exc:
+        raise TypeError(
+            f"run_ranks fn and args must be picklable (fn a module-level function), got {fn!r}: {exc}"
+        ) from None
+
+
+def _start_rank(
+    context: SpawnContext, rank: int, world_size: int, payload: bytes, store_port: int, options: dict
+) -> tuple[SpawnProcess, Connection]:
+    """Start one rank process; returns it and the read end of the pipe it reports on."""
+    reader, writer = context.Pipe(duplex=False)
+    process = context.Process(
+        target=_child,
+        args=(rank, world_size, payload, store_port, options, writer),
+        name=f"moe_comm-rank{rank}",
+    )
+    process.start()
+    writer.close()  # the child holds the write end; EOF here means it is gone
+    return process, reader
+
+
+def _wait_for_reports(
+    processes: list[SpawnProcess], readers: list[Connection], deadline: float, failure_grace_s: float
+) -> _Outcome:
+    """Receive every rank's report until ``deadline``, or ``failure_grace_s`` after the first failure."""
+    outcome = _Outcome(unfinished=set(range(len(processes))))
+    while outcome.unfinished:
+        limit = deadline if outcome.first_failure is None else min(deadline, outcome.first_failure + failure_grace_s)
+        remaining = limit - time.monotonic()
+        if remaining <= 0:
+            break
+        for reader in wait([readers[r] for r in outcome.unfinished], timeout=remaining):
+            rank = readers.index(reader)
+            outcome.unfinished.discard(rank)
+            kind, data = _receive(reader, processes[rank])
+            if kind == "ok":
+                outcome.results[rank] = pickle.loads(data)
+            else:
+                outcome.failures[rank] = data
+                if outcome.first_failure is None:
+                    outcome.first_failure = time.monotonic()
+    return outcome
+
+
+def _receive(reader: Connection, process: SpawnProcess) -> tuple[str, Any]:
+    """One rank's report, ``("ok", pickled value)`` or ``("error", text)``, also for a rank that died silently."""
+    try:
+        return reader.recv()
+    except EOFError:
+        process.join(5.0)
+        return "error", (
+            f"the process exited with code {process.exitcode} without reporting a result "
+            "(killed by a signal if negative)"
+        )
+
+
+def _unfinished_reason(outcome: _Outcome, elapsed_s: float, timeout_s: float, failure_grace_s: float) -> str:
+    """Why the ranks that did not report are killed: the grace after a failure ran out, or the timeout."""
+    if outcome.first_failure is not None and elapsed_s < timeout_s:
+        failed = ", ".join(str(r) for r in sorted(outcome.failures))
+        return (
+            f"still running {failure_grace_s:.1f} s after rank(s) {failed} failed "
+            "(probably blocked in a collective with them); killed"
+        )
+    return f"did not finish within the timeout of {timeout_s:.1f} s (hung); killed"
+
+
+def _kill_unfinished(outcome: _Outcome, processes: list[SpawnProcess], stack_dir: str, reason: str) -> None:
+    """Dump the stacks of the ranks that did not report, kill them, and record them as hung."""
+    for rank, stacks in _kill_all({r: processes[r] for r in sorted(outcome.unfinished)}, stack_dir).items():
+        outcome.hung.append(rank)
+        outcome.failures[rank] = f"{reason}. Its Python stacks before the kill:\n{stacks}"
+
+
+def _wait_for_exits(outcome: _Outcome, processes: list[SpawnProcess], stack_dir: str, deadline: float) -> None:
+    """Join the ranks that reported, by ``deadline`` but at least 5 s from now.
+
+    A rank that reported still tears down its group; one that cannot (killed, with its stacks)
+    or that exits non-zero is a bug worth reporting, so it is a failure too.
+    """
+    teardown_deadline = max(deadline, time.monotonic() + 5.0)
+    for rank, process in enumerate(processes):
+        if rank in outcome.hung:
+            continue
+        process.join(max(0.0, teardown_deadline - time.monotonic()))
+        if process.is_alive():
+            outcome.hung.append(rank)
+            stacks = _kill_all({rank: process}, stack_dir)[rank]
+            report = f"returned but did not exit (hung in teardown); killed. Its stacks:\n{stacks}"
+            earlier = outcome.failures.get(rank)
+            outcome.failures[rank] = report if earlier is None else f"{earlier}\n{report}"
+        elif process.exitcode != 0 and rank not in outcome.failures:
+            outcome.failures[rank] = f"returned but exited with code {process.exitcode}"
+
+
+def _clean_up(processes: list[SpawnProcess], readers: list[Connection], stack_dir: str) -> None:
+    """Kill and reap whatever still runs, close the pipes and remove the stack dumps (always runs)."""
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+        process.join()
+        process.close()
+    for reader in readers:
+        reader.close()
+    for path in Path(stack_dir).glob("*"):
+        path.unlink()
+    os.rmdir(stack_dir)
+
+
+def _rank_failure_error(fn: Callable[..., Any], world_size: int, outcome: _Outcome) -> RankFailureError:
+    """The error naming every failed rank with its report, in rank order."""
+    failures = outcome.failures
+    lines = [f"{len(failures)} of {world_size} ranks failed (fn={getattr(fn, '__qualname__', fn)}):"]
+    for rank in sorted(failures):
+        lines.append(f"--- rank {rank} ---\n{failures[rank].rstrip()}")
+    return RankFailureError("\n".join(lines), failures, sorted(outcome.hung))
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -146,7 +292,7 @@ def run_ranks(
             to shake out races that depend on who arrives first.
         env: extra environment variables for every rank (on top of ``MULTICAST_OFF_ENV``).
         failure_grace_s: once a rank has failed, how long the others get to finish before they
-            are killed (they usually wait in a collective with the failed rank).
+            are killed (they usually wait in a collective with the failed one).
 
     Returns:
         The ranks' return values, in rank order.
@@ -155,16 +301,7 @@ def run_ranks(
         RankFailureError: a rank raised, crashed, or was still running at the deadline; the message
             lists every failed rank's traceback (or exit code, or stacks at the kill).
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"run_ranks world_size: got {world_size!r}, expected an integer >= 1")
-    if delay_rank is not None and not (0 <= delay_rank[0] < world_size):
-        raise ValueError(f"run_ranks delay_rank: got rank {delay_rank[0]}, expected one in [0, {world_size})")
-    try:
-        payload = pickle.dumps((fn, args))
-    except Exception as exc:
-        raise TypeError(
-            f"run_ranks fn and args must be picklable (fn a module-level function), got {fn!r}: {exc}"
-        ) from None
+    payload = _pickled_call(fn, world_size, args, delay_rank)
 
     import torch.distributed as dist
 
@@ -183,90 +320,22 @@ def run_ranks(
         "delay_rank": delay_rank,
     }
     context = multiprocessing.get_context("spawn")
-    processes, readers = [], []
-    failures: dict[int, str] = {}
-    hung: list[int] = []
-    results: dict[int, Any] = {}
+    processes: list[SpawnProcess] = []
+    readers: list[Connection] = []
     try:
         start = time.monotonic()
         for rank in range(world_size):
-            reader, writer = context.Pipe(duplex=False)
-            process = context.Process(
-                target=_child,
-                args=(rank, world_size, payload, store.port, options, writer),
-                name=f"moe_comm-rank{rank}",
-            )
-            process.start()
-            writer.close()  # the child holds the write end; EOF here means it is gone
+            process, reader = _start_rank(context, rank, world_size, payload, store.port, options)
             processes.append(process)
             readers.append(reader)
-
-        deadline = start + timeout_s
-        first_failure: Optional[float] = None
-        pending = set(range(world_size))
-        while pending:
-            limit = deadline if first_failure is None else min(deadline, first_failure + failure_grace_s)
-            remaining = limit - time.monotonic()
-            if remaining <= 0:
-                break
-            for reader in wait([readers[r] for r in pending], timeout=remaining):
-                rank = readers.index(reader)
-                pending.discard(rank)
-                try:
-                    kind, data = reader.recv()
-                except EOFError:
-                    processes[rank].join(5.0)
-                    kind, data = "error", (
-                        f"the process exited with code {processes[rank].exitcode} without reporting a result "
-                        "(killed by a signal if negative)"
-                    )
-                if kind == "ok":
-                    results[rank] = pickle.loads(data)
-                else:
-                    failures[rank] = data
-                    first_failure = first_failure if first_failure is not None else time.monotonic()
-
-        if first_failure is not None and time.monotonic() - start < timeout_s:
-            failed = ", ".join(str(r) for r in sorted(failures))
-            reason = (
-                f"still running {failure_grace_s:.1f} s after rank(s) {failed} failed "
-                "(probably blocked in a collective with them); killed"
-            )
-        else:
-            reason = f"did not finish within the timeout of {timeout_s:.1f} s (hung); killed"
-        for rank, stacks in _kill_all({r: processes[r] for r in sorted(pending)}, stack_dir).items():
-            hung.append(rank)
-            failures[rank] = f"{reason}. Its Python stacks before the kill:\n{stacks}"
-
-        # Ranks that reported still have to tear down; one that cannot is a bug worth reporting.
-        teardown_deadline = max(deadline, time.monotonic() + 5.0)
-        for rank, process in enumerate(processes):
-            if rank in hung:
-                continue
-            process.join(max(0.0, teardown_deadline - time.monotonic()))
-            if process.is_alive():
-                hung.append(rank)
-                stacks = _kill_all({rank: process}, stack_dir)[rank]
-                report = f"returned but did not exit (hung in teardown); killed. Its stacks:\n{stacks}"
-                failures[rank] = f"{failures[rank]}\n{report}" if rank in failures else report
-            elif process.exitcode != 0 and rank not in failures:
-                failures[rank] = f"returned but exited with code {process.exitcode}"
+        outcome = _wait_for_reports(processes, readers, start + timeout_s, failure_grace_s)
+        reason = _unfinished_reason(outcome, time.monotonic() - start, timeout_s, failure_grace_s)
+        _kill_unfinished(outcome, processes, stack_dir, reason)
+        _wait_for_exits(outcome, processes, stack_dir, start + timeout_s)
     finally:
-        for process in processes:
-            if process.is_alive():
-                process.kill()
-            process.join()
-            process.close()
-        for reader in readers:
-            reader.close()
-        for path in Path(stack_dir).glob("*"):
-            path.unlink()
-        os.rmdir(stack_dir)
+        _clean_up(processes, readers, stack_dir)
         del store
 
-    if failures:
-        lines = [f"{len(failures)} of {world_size} ranks failed (fn={getattr(fn, '__qualname__', fn)}):"]
-        for rank in sorted(failures):
-            lines.append(f"--- rank {rank} ---\n{failures[rank].rstrip()}")
-        raise RankFailureError("\n".join(lines), failures, sorted(hung))
-    return [results[rank] for rank in range(world_size)]
+    if outcome.failures:
+        raise _rank_failure_error(fn, world_size, outcome)
+    return [outcome.results[rank] for rank in range(world_size)]

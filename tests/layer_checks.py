@@ -1,7 +1,7 @@
 """MoELayer against the dense single-process reference, shared by the CPU and GPU layer tests.
 
 ``layer_errors`` runs stacked ``MoELayer``s on one rank's tokens, forward and backward, and
-recomputes every rank's tokens densely in float32 (:func:`moe_comm.layer.dense_forward`, with the
+recomputes every rank's tokens densely in float32 (:func:`moe_comm.reference.dense_forward`, with the
 routing the layers chose, so a near-tie cannot pick different experts in the two runs). It
 returns scale-free relative errors: ``max |got - want| / max |want|`` per tensor.
 """
@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from moe_comm import Dispatcher
-from moe_comm.layer import MoELayer, build_dense_weights, dense_forward
+from moe_comm.layer import MoELayer
+from moe_comm.reference import build_dense_weights, dense_forward
 
 __all__ = ["FFN", "BASE", "TOLERANCE", "rel_err", "gather", "layer_errors", "assert_within"]
 

@@ -8,18 +8,16 @@ import torch
 import torch.distributed as dist
 
 from moe_comm import ConfigError, Dispatcher, InputError, load_config
-from moe_comm.layer import (
-    MoELayer,
-    build_dense_weights,
-    dense_forward,
+from moe_comm.experts import (
     grouped_experts,
     grouped_mm_unsupported,
     masked_experts,
     resolve_expert_impl,
-    route,
     sliced_experts,
     swiglu,
 )
+from moe_comm.layer import MoELayer, route
+from moe_comm.reference import build_dense_weights, dense_forward
 from layer_checks import BASE, FFN, TOLERANCE, assert_within, layer_errors
 from multirank import run_ranks
 
@@ -69,9 +67,15 @@ def _argument_errors(rank, world_size, backend):
     return messages
 
 
+def _layer_repr(backend):
+    with MoELayer(load_config(None, backend=backend, dtype="float32", **BASE), FFN) as layer:
+        return repr(layer)
+
+
 def _all_scenarios(rank, world_size, backend, names):
     results = {name: _scenario(rank, world_size, backend, *SCENARIOS[name]) for name in names}
     results["errors"] = _argument_errors(rank, world_size, backend)
+    results["repr"] = _layer_repr(backend)
     return results
 
 
@@ -85,6 +89,12 @@ def _check(per_rank: list, names) -> None:
         assert "group" in messages["group_and_dispatcher"]
         assert "config differs" in messages["other_config"]
         assert "'experts'" in messages["grouped_mm_on_cpu"] and "not a CUDA GPU" in messages["grouped_mm_on_cpu"]
+        # Each count and the expert implementation under its own name.
+        world_size = len(per_rank)
+        layer_repr = results["repr"]
+        assert f"num_experts={BASE['num_experts']}, num_local_experts={BASE['num_experts'] // world_size}, " \
+               f"rank={rank}/{world_size}" in layer_repr, layer_repr
+        assert "expert_impl='loop'" in layer_repr and " experts=" not in layer_repr, layer_repr
 
 
 # World 1 keeps every expert local (no exchange); world 2 moves tokens between ranks. One

@@ -26,9 +26,9 @@ import logging
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 
 from .. import jit, kernels, nvshmem_build, protocol
+from ..agreement import agree
 from ..routing import Routing
 from ..config import Config
 from ..errors import BackendError
@@ -151,48 +151,41 @@ class DeviceBackend(Backend):
 
     def _setup_kernels(self) -> None:
         """Compile (cached) and load every kernel; all ranks learn whether any rank failed."""
+        agree(self.group, self._load_kernels, error=BackendError, what="kernel setup")
+
+    def _load_kernels(self) -> None:
+        """Compile (cached) and load every kernel on this rank."""
         cfg = self.config
-        error = None
-        try:
-            defines = kernels.kernel_defines(self.dtype, cfg.hidden, cfg.topk, put_transport=self._put_transport)
-            toolchain = nvshmem_build.toolchain() if self._put_transport else jit.Toolchain()
-            args = kernels.CommArgs(
-                peers_ptr=self._memory.peer_ptrs_tensor.data_ptr(),
-                rank=self.rank,
-                world_size=self.world_size,
-                max_tokens_per_rank=cfg.max_tokens_per_rank,
-                state_ptr=self._state.data_ptr(),
-                status_ptr=self.status.data_ptr(),
-                timeout_ns=int(cfg.timeout_s * 1e9),
-            )
-            device_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-            self._dispatch_kernels = kernels.DispatchKernels(
-                self.device,
-                defines,
-                args,
-                self.regions,
-                num_experts=cfg.num_experts,
-                num_local_experts=self.num_local_experts,
-                expert_alignment=cfg.expert_alignment,
-                expert_capacity=cfg.expert_capacity,
-                capacity_rows=self.capacity_rows,
-                num_sms=cfg.num_sms,
-                device_sms=device_sms,
-                toolchain=toolchain,
-            )
-            self._combine_kernels = kernels.CombineKernels(
-                self.device, defines, args, self.regions, capacity_rows=self.capacity_rows, num_sms=cfg.num_sms,
-                device_sms=device_sms, toolchain=toolchain,
-            )
-        except Exception as exc:  # reported to every rank below, then raised here
-            error = exc
-        errors: list = [None] * self.world_size
-        dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}", group=self.group)
-        if error is not None:
-            raise error
-        failed = [r for r, e in enumerate(errors) if e is not None]
-        if failed:
-            raise BackendError(f"kernel setup failed on rank(s) {failed}: {errors[failed[0]]}")
+        defines = kernels.kernel_defines(self.dtype, cfg.hidden, cfg.topk, put_transport=self._put_transport)
+        toolchain = nvshmem_build.toolchain() if self._put_transport else jit.Toolchain()
+        args = kernels.CommArgs(
+            peers_ptr=self._memory.peer_ptrs_tensor.data_ptr(),
+            rank=self.rank,
+            world_size=self.world_size,
+            max_tokens_per_rank=cfg.max_tokens_per_rank,
+            state_ptr=self._state.data_ptr(),
+            status_ptr=self.status.data_ptr(),
+            timeout_ns=int(cfg.timeout_s * 1e9),
+        )
+        device_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self._dispatch_kernels = kernels.DispatchKernels(
+            self.device,
+            defines,
+            args,
+            self.regions,
+            num_experts=cfg.num_experts,
+            num_local_experts=self.num_local_experts,
+            expert_alignment=cfg.expert_alignment,
+            expert_capacity=cfg.expert_capacity,
+            capacity_rows=self.capacity_rows,
+            num_sms=cfg.num_sms,
+            device_sms=device_sms,
+            toolchain=toolchain,
+        )
+        self._combine_kernels = kernels.CombineKernels(
+            self.device, defines, args, self.regions, capacity_rows=self.capacity_rows, num_sms=cfg.num_sms,
+            device_sms=device_sms, toolchain=toolchain,
+        )
 
     def _warm_up(self) -> None:
         """Run every kernel once with no tokens (collective); raises if a wait timed out."""
@@ -215,14 +208,15 @@ class DeviceBackend(Backend):
                 f"rank {self.rank} timed out after {cfg.timeout_s} s: "
                 f"{protocol.TIMEOUT_PHASES.get(phase, f'phase {phase}')} (peer rank {peer})"
             )
-        problems: list = [None] * self.world_size
-        dist.all_gather_object(problems, problem, group=self.group)
-        failed = [p for p in problems if p is not None]
-        if failed:
-            raise BackendError(
-                f"the warm-up step of the device kernels did not complete: {'; '.join(failed)}; "
-                "is every rank constructing its Dispatcher at the same time?"
-            )
+
+        def report() -> None:
+            if problem is not None:
+                raise BackendError(
+                    f"the warm-up step of the device kernels did not complete: {problem}; "
+                    "is every rank constructing its Dispatcher at the same time?"
+                )
+
+        agree(self.group, report, error=BackendError, what="the warm-up step of the device kernels")
 
     # ------------------------------------------------------------------ per step
 

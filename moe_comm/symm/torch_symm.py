@@ -29,6 +29,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..agreement import agree
 from ..errors import BackendError
 from .base import SymmetricMemory
 
@@ -62,11 +63,10 @@ def _take_pooled(key: tuple, group: dist.ProcessGroup, device: torch.device):
     """A pooled ``(buffer, handle)`` for ``key`` zeroed on every rank, or ``(None, None)`` (collective).
 
     Every rank must have one for any to reuse it (a rank whose earlier construction failed may
-    not): the ranks agree with a small all-reduce, and after zeroing they meet at a barrier so no
+    not): the ranks agree with one gather, and after zeroing they meet at a barrier so no
     peer writes into a buffer before its owner has cleared it.
     """
-    have: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(have, bool(_pool.get(key)), group=group)
+    have = agree(group, lambda: bool(_pool.get(key)), error=BackendError, what="the symmetric-memory pool lookup")
     if not all(have):
         return None, None
     buffer, handle = _pool[key].pop()

@@ -12,8 +12,9 @@ allocation: one reservation, ``world_size`` maps and one ``cuMemSetAccess``, and
 Setup is collective over the group and transactional: each completed step registers its undo
 (unmap, free the address range, release a handle, close an fd, close a socket) and a failure on
 any rank unwinds everything on every rank. The ranks agree after each phase (inspect, allocate,
-map) with one ``all_gather_object`` that carries each rank's error, so a rank that fails locally
-makes every rank raise at once, naming it, instead of leaving them to time out. Waits on sockets
+map) with one ``all_gather_object`` that carries each rank's error (:func:`moe_comm.agreement.agree`),
+so a rank that fails locally makes every rank raise at once, naming it, instead of leaving them to
+time out. Waits on sockets
 are bounded by ``timeout_s``; the gathers are bounded by the group's own timeout (pass a gloo
 group created with the timeout you want).
 """
@@ -35,6 +36,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ..agreement import agree
 from ..errors import BackendError, CommTimeoutError, InputError, MoeCommError
 from ..jit import cu_check, cuda_driver, device_context
 from .base import SymmetricMemory, wrap_device_pointer
@@ -376,26 +378,13 @@ class VmmSymmetricMemory(SymmetricMemory):
         self._peer_ptrs_tensor = torch.tensor(self._peer_ptrs, dtype=torch.int64, device=self.device)
 
     def _agree(self, step: str, local: Callable[[], Any]) -> list:
-        """Run ``local()`` here, then exchange every rank's result or error; returns the results in rank order.
+        """:func:`moe_comm.agreement.agree` on one setup step; returns every rank's result of ``local()``.
 
-        Raises this rank's own error, or a BackendError naming each rank that failed.
+        Raises this rank's own error, or a BackendError naming each rank that failed. Only moe_comm's
+        own errors are exchanged; any other exception propagates here at once.
         """
-        try:
-            payload, error = local(), None
-        except MoeCommError as exc:
-            payload, error = None, exc
-        entries: list = [None] * self.world_size
-        message = None if error is None else f"{type(error).__name__}: {error}"
-        dist.all_gather_object(entries, (message, payload), group=self._group)
-        if error is not None:
-            raise error
-        failed = [f"rank {r}: {text}" for r, (text, _) in enumerate(entries) if text is not None]
-        if failed:
-            raise BackendError(
-                f"VmmSymmetricMemory setup failed at step '{step}' on another rank (rank {self.rank} is fine):\n"
-                + "\n".join(failed)
-            )
-        return [payload for _, payload in entries]
+        return agree(self._group, local, error=BackendError, what=f"VmmSymmetricMemory setup at step '{step}'",
+                     catch=(MoeCommError,))
 
     def _allocation_prop(self, driver: Any) -> Any:
         prop = driver.CUmemAllocationProp()
