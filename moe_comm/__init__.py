@@ -5,7 +5,7 @@ The names users need live here; everything else is in the submodules.
 
 from .config import Config, load_config
 from .dispatcher import Dispatcher, DispatchHandle, DispatchOutput, StatusReport
-from .layer import MoELayer
+from .layer import MoELayer, MoEWeights
 from .errors import (
     BackendError,
     CommTimeoutError,
@@ -24,6 +24,7 @@ __all__ = [
     "DispatchOutput",
     "StatusReport",
     "MoELayer",
+    "MoEWeights",
     "MoeCommError",
     "ConfigError",
     "InputError",

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -30,7 +31,7 @@ from .dispatcher import Dispatcher
 from .errors import ConfigError, InputError
 from .experts import grouped_experts, masked_experts, resolve_expert_impl, sliced_experts
 
-__all__ = ["MoELayer", "route", "check_layer_args", "init_router_weight", "init_expert_weights"]
+__all__ = ["MoELayer", "MoEWeights", "route", "check_layer_args", "init_router_weight", "init_expert_weights"]
 
 _MAX_SEED = 2**31
 
@@ -58,6 +59,53 @@ def init_expert_weights(config: Config, ffn_hidden: int, expert: int, seed: int)
     w_gate_up = torch.randn(hidden, 2 * ffn_hidden, generator=gen) / math.sqrt(hidden)
     w_down = torch.randn(ffn_hidden, hidden, generator=gen) / math.sqrt(ffn_hidden)
     return w_gate_up.to(config.torch_dtype), w_down.to(config.torch_dtype)
+
+
+@dataclass(frozen=True)
+class MoEWeights:
+    """The weights of an MoE layer, in the layouts :class:`MoELayer` holds.
+
+    router: ``[E, H]``, the router's ``nn.Linear`` weight (logits = ``x @ router.T``); kept in float32.
+    w_gate_up: ``[E, H, 2F]`` (or ``[E_local, H, 2F]``): expert ``e``'s gate projection in columns
+        ``[:F]`` and its up projection in ``[F:]``, applied as ``x @ w_gate_up[e]``. A checkpoint in
+        the ``nn.Linear`` layout (``[2F, H]`` per expert, e.g. HuggingFace's ``gate_up_proj``) is
+        transposed: ``w.transpose(-1, -2)``; separate gate and up weights are concatenated.
+    w_down: ``[E, F, H]`` (or ``[E_local, F, H]``): applied as ``h @ w_down[e]``.
+
+    Either every expert's weights (each rank then keeps its own block: global expert
+    ``rank * E_local + j`` is local expert ``j``), or only this rank's ``E_local`` experts.
+    """
+
+    router: torch.Tensor
+    w_gate_up: torch.Tensor
+    w_down: torch.Tensor
+
+
+def _check_tensor_shape(name: str, tensor, shape: tuple) -> None:
+    if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+        raise ConfigError(f"MoELayer weights.{name}: expected a float tensor, got {type(tensor).__name__}")
+    if tuple(tensor.shape) != shape:
+        raise ConfigError(f"MoELayer weights.{name}: expected shape {list(shape)}, got {list(tensor.shape)}")
+
+
+def _local_expert_weights(weights: "MoEWeights", config: Config, rank: int, num_local_experts: int,
+                          ffn_hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's ``[E_local, H, 2F]`` and ``[E_local, F, H]`` slices of ``weights`` (global or local)."""
+    if not isinstance(weights, MoEWeights):
+        raise ConfigError(f"MoELayer weights: expected a moe_comm.MoEWeights, got {type(weights).__name__}")
+    hidden, experts = config.hidden, config.num_experts
+    _check_tensor_shape("router", weights.router, (experts, hidden))
+    given = weights.w_gate_up.shape[0] if isinstance(weights.w_gate_up, torch.Tensor) else None
+    if given not in (experts, num_local_experts):
+        raise ConfigError(
+            f"MoELayer weights.w_gate_up: expected {experts} experts (all) or {num_local_experts} (this rank's) in "
+            f"dim 0, got shape {list(weights.w_gate_up.shape) if given is not None else type(weights.w_gate_up).__name__}"
+        )
+    _check_tensor_shape("w_gate_up", weights.w_gate_up, (given, hidden, 2 * ffn_hidden))
+    _check_tensor_shape("w_down", weights.w_down, (given, ffn_hidden, hidden))
+    first = rank * num_local_experts if given == experts else 0
+    local = slice(first, first + num_local_experts)
+    return weights.w_gate_up[local], weights.w_down[local]
 
 
 def check_layer_args(config: Config, ffn_hidden: int, seed: int) -> None:
@@ -114,19 +162,27 @@ class MoELayer(nn.Module):
 
     Args:
         config: the :class:`moe_comm.Config` (num_experts, topk, hidden, dtype, ...).
-        ffn_hidden: F, each expert's intermediate width.
+        ffn_hidden: F, each expert's intermediate width (taken from ``weights`` when they are given).
         group: process group of the expert-parallel ranks (None: the default group); used
             only to build a Dispatcher when ``dispatcher`` is not given.
         renormalize: scale each token's top-k weights to sum to 1.
         dispatcher: a :class:`Dispatcher` to share (several layers may share one; the caller
             closes it). If None the layer builds its own and closes it in :meth:`close`.
-        seed: weights are drawn from it (router: same on every rank; expert ``e``: from ``(seed, e)``).
+        seed: without ``weights``, the weights are drawn from it (router: same on every rank;
+            expert ``e``: from ``(seed, e)``).
+        weights: a :class:`MoEWeights` to start from (a checkpoint, an existing model): the router
+            and either every expert's weights, of which this rank keeps its own, or only this
+            rank's. They are copied (to the dispatcher's device, experts in the config dtype).
 
     Parameters:
         router.weight: ``[E, H]`` float32, replicated (its gradient is this rank's tokens' part:
             sum it over the ranks, as data-parallel training does).
         w_gate_up: ``[E_local, H, 2F]`` config dtype, local expert ``j`` = global ``rank * E_local + j``.
         w_down: ``[E_local, F, H]`` config dtype.
+
+    Buffers:
+        expert_ids: ``[E_local]`` int64, the global ids of this rank's experts. It is part of the
+            ``state_dict``, and loading a state dict saved by a rank holding other experts is refused.
 
     Attributes:
         expert_impl: ``"grouped_mm"`` or ``"loop"``, the config's ``experts`` key resolved on this
@@ -141,14 +197,21 @@ class MoELayer(nn.Module):
     def __init__(
         self,
         config: Config,
-        ffn_hidden: int,
+        ffn_hidden: Optional[int] = None,
         group=None,
         *,
         renormalize: bool = True,
         dispatcher: Optional[Dispatcher] = None,
         seed: int = 0,
+        weights: Optional[MoEWeights] = None,
     ) -> None:
         super().__init__()
+        if ffn_hidden is None:
+            if weights is None:
+                raise ConfigError("MoELayer ffn_hidden: required unless weights are given (it is their w_down.shape[1])")
+            if not isinstance(weights, MoEWeights) or not isinstance(weights.w_down, torch.Tensor):
+                raise ConfigError(f"MoELayer weights: expected a moe_comm.MoEWeights, got {type(weights).__name__}")
+            ffn_hidden = int(weights.w_down.shape[-2]) if weights.w_down.dim() == 3 else -1
         check_layer_args(config, ffn_hidden, seed)
         if dispatcher is not None:
             if group is not None:
@@ -166,21 +229,40 @@ class MoELayer(nn.Module):
         self.dispatcher = Dispatcher(config, group) if dispatcher is None else dispatcher
         disp = self.dispatcher
         device = disp.device
+        first = disp.rank * disp.num_local_experts
         try:
             self.expert_impl = resolve_expert_impl(config, device, ffn_hidden)
+            if weights is None:
+                router = init_router_weight(config, seed)
+                experts = [init_expert_weights(config, ffn_hidden, first + j, seed)
+                           for j in range(disp.num_local_experts)]
+                w_gate_up, w_down = torch.stack([gu for gu, _ in experts]), torch.stack([d for _, d in experts])
+            else:
+                w_gate_up, w_down = _local_expert_weights(weights, config, disp.rank, disp.num_local_experts,
+                                                          ffn_hidden)
+                router = weights.router
         except ConfigError:
             self.close()  # the dispatcher built above would otherwise leak
             raise
         self.router = nn.Linear(config.hidden, config.num_experts, bias=False, device=device, dtype=torch.float32)
         with torch.no_grad():
-            self.router.weight.copy_(init_router_weight(config, seed))
-        first = disp.rank * disp.num_local_experts
-        experts = [init_expert_weights(config, ffn_hidden, first + j, seed) for j in range(disp.num_local_experts)]
-        self.w_gate_up = nn.Parameter(torch.stack([gu for gu, _ in experts]).to(device))
-        self.w_down = nn.Parameter(torch.stack([d for _, d in experts]).to(device))
+            self.router.weight.copy_(router.detach())
+        # Copies: the layer never writes into the caller's tensors (an optimizer step would).
+        self.w_gate_up = nn.Parameter(w_gate_up.detach().to(device=device, dtype=config.torch_dtype, copy=True))
+        self.w_down = nn.Parameter(w_down.detach().to(device=device, dtype=config.torch_dtype, copy=True))
+        self.register_buffer("expert_ids", torch.arange(first, first + disp.num_local_experts, device=device))
         self.last_topk_idx: Optional[torch.Tensor] = None
         self.last_topk_weights: Optional[torch.Tensor] = None
         self.timer = None
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        saved = state_dict.get(prefix + "expert_ids")
+        if saved is not None and not torch.equal(saved.cpu(), self.expert_ids.cpu()):
+            raise ConfigError(
+                f"MoELayer state dict: it holds global experts {saved.tolist()}, this rank holds "
+                f"{self.expert_ids.tolist()}; load each rank's own state dict (or build from MoEWeights)"
+            )
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k routing of ``x [T, H]``: ``topk_idx`` ``[T, K]`` int64, ``topk_weights`` ``[T, K]`` float32."""
@@ -199,7 +281,8 @@ class MoELayer(nn.Module):
         """
         if self.expert_impl == "grouped_mm":
             return grouped_experts(rows, expert_offsets, self.w_gate_up, self.w_down)
-        if rows.device.type == "cpu":
+        # The exact slices read the offsets on the host, which a compiled graph cannot do.
+        if rows.device.type == "cpu" and not torch.compiler.is_compiling():
             return sliced_experts(rows, expert_offsets, self.w_gate_up, self.w_down)
         return masked_experts(rows, expert_offsets, self.w_gate_up, self.w_down)
 

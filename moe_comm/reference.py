@@ -9,7 +9,6 @@ its global id) and :func:`dense_forward` computes the whole layer with them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -17,9 +16,9 @@ import torch
 from .config import Config
 from .errors import InputError
 from .experts import swiglu
-from .layer import check_layer_args, init_expert_weights, init_router_weight, route
+from .layer import MoEWeights, check_layer_args, init_expert_weights, init_router_weight, route
 
-__all__ = ["dense_moe", "drop_over_capacity", "DenseWeights", "build_dense_weights", "dense_forward"]
+__all__ = ["dense_moe", "drop_over_capacity", "build_dense_weights", "dense_forward"]
 
 
 def dense_moe(
@@ -82,18 +81,6 @@ def drop_over_capacity(
     return result
 
 
-@dataclass(frozen=True)
-class DenseWeights:
-    """Every weight of the layer in one process (what the ``MoELayer`` of all ranks hold together).
-
-    router: ``[E, H]`` float32. w_gate_up: ``[E, H, 2F]``. w_down: ``[E, F, H]``.
-    """
-
-    router: torch.Tensor
-    w_gate_up: torch.Tensor
-    w_down: torch.Tensor
-
-
 def build_dense_weights(
     config: Config,
     ffn_hidden: int,
@@ -101,7 +88,7 @@ def build_dense_weights(
     *,
     dtype: Optional[torch.dtype] = None,
     device: torch.device | str = "cpu",
-) -> DenseWeights:
+) -> MoEWeights:
     """The weights of every expert exactly as the ``MoELayer`` of each rank initialises them.
 
     Args:
@@ -112,12 +99,12 @@ def build_dense_weights(
         device: where the tensors are put.
 
     Returns:
-        :class:`DenseWeights`; tensors that do not require grad (call ``requires_grad_`` for a reference).
+        :class:`MoEWeights`; tensors that do not require grad (call ``requires_grad_`` for a reference).
     """
     check_layer_args(config, ffn_hidden, seed)
     dtype = config.torch_dtype if dtype is None else dtype
     experts = [init_expert_weights(config, ffn_hidden, e, seed) for e in range(config.num_experts)]
-    return DenseWeights(
+    return MoEWeights(
         router=init_router_weight(config, seed).to(device),
         w_gate_up=torch.stack([gu for gu, _ in experts]).to(device=device, dtype=dtype),
         w_down=torch.stack([d for _, d in experts]).to(device=device, dtype=dtype),
@@ -126,7 +113,7 @@ def build_dense_weights(
 
 def dense_forward(
     x: torch.Tensor,
-    weights: DenseWeights,
+    weights: MoEWeights,
     *,
     topk: int,
     renormalize: bool = True,

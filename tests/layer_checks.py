@@ -8,11 +8,13 @@ returns scale-free relative errors: ``max |got - want| / max |want|`` per tensor
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
 from moe_comm import Dispatcher
-from moe_comm.layer import MoELayer
+from moe_comm.layer import MoELayer, MoEWeights
 from moe_comm.reference import build_dense_weights, dense_forward
 
 __all__ = ["FFN", "BASE", "TOLERANCE", "rel_err", "gather", "layer_errors", "assert_within"]
@@ -40,12 +42,14 @@ def gather(world_size: int, tensor: torch.Tensor) -> list:
 
 
 def layer_errors(disp: Dispatcher, rank: int, world_size: int, renormalize: bool, shape: tuple,
-                 num_layers: int) -> dict:
+                 num_layers: int, given: Optional[list] = None, local: bool = False) -> dict:
     """Relative errors of ``num_layers`` stacked layers on ``disp`` against the dense reference.
 
     Args:
         disp: the shared Dispatcher (its config picks dtype and expert implementation).
         shape: the token dimensions of the input (``[*shape, H]``).
+        given: one global :class:`MoEWeights` per layer to build the layers from (else from seeds);
+            the reference uses the same weights. local: hand each layer only this rank's experts.
 
     Returns:
         name -> relative error: ``output``, ``grad_x`` and per layer ``i`` the router and both
@@ -54,7 +58,20 @@ def layer_errors(disp: Dispatcher, rank: int, world_size: int, renormalize: bool
     """
     cfg = disp.config
     device = disp.device
-    layers = [MoELayer(cfg, FFN, dispatcher=disp, renormalize=renormalize, seed=7 + i) for i in range(num_layers)]
+    lo, hi = rank * disp.num_local_experts, (rank + 1) * disp.num_local_experts
+    if given is None:
+        layers = [MoELayer(cfg, FFN, dispatcher=disp, renormalize=renormalize, seed=7 + i) for i in range(num_layers)]
+        dense = [build_dense_weights(cfg, FFN, 7 + i, dtype=torch.float32, device=device) for i in range(num_layers)]
+    else:
+        handed = [MoEWeights(w.router, w.w_gate_up[lo:hi], w.w_down[lo:hi]) if local else w for w in given]
+        layers = [MoELayer(cfg, dispatcher=disp, renormalize=renormalize, weights=w) for w in handed]
+        # The reference computes with the values the layers hold (rounded to the config dtype), in
+        # copies of its own: its gradients must not accumulate into the caller's tensors.
+        def held(tensor, dtype):
+            return tensor.detach().to(dtype).to(device=device, dtype=torch.float32, copy=True)
+
+        dense = [MoEWeights(held(w.router, torch.float32), held(w.w_gate_up, cfg.torch_dtype),
+                            held(w.w_down, cfg.torch_dtype)) for w in given]
     gen = torch.Generator().manual_seed(1000 + rank)
     x = torch.randn(*shape, cfg.hidden, generator=gen).to(device=device, dtype=cfg.torch_dtype).requires_grad_()
     upstream = torch.randn(*shape, cfg.hidden, generator=gen).to(device=device, dtype=cfg.torch_dtype)
@@ -67,7 +84,6 @@ def layer_errors(disp: Dispatcher, rank: int, world_size: int, renormalize: bool
 
     xs = [t.to(device).float().requires_grad_() for t in gather(world_size, x)]
     upstreams = [t.to(device).float() for t in gather(world_size, upstream)]
-    dense = [build_dense_weights(cfg, FFN, 7 + i, dtype=torch.float32, device=device) for i in range(num_layers)]
     for weights in dense:
         for tensor in (weights.router, weights.w_gate_up, weights.w_down):
             tensor.requires_grad_()
@@ -81,7 +97,6 @@ def layer_errors(disp: Dispatcher, rank: int, world_size: int, renormalize: bool
             z_ref = zr
     loss.backward()
 
-    lo, hi = rank * disp.num_local_experts, (rank + 1) * disp.num_local_experts
     errors = {"output": rel_err(z, z_ref), "grad_x": rel_err(x.grad, xs[rank].grad)}
     for i, (layer, weights) in enumerate(zip(layers, dense)):
         router_grad = layer.router.weight.grad.clone()

@@ -99,3 +99,45 @@ def test_check_every_step_is_refused_under_compile():
     # A host read of the status cannot be part of a compiled graph: the error says what to do.
     for message in run_ranks(_check_every_step_rank, 2):
         assert "call check() between steps" in message
+
+
+class _TwoMoeBlocks(torch.nn.Module):
+    """A model as training stacks compile it: norms, residuals and two MoELayers sharing a Dispatcher."""
+
+    def __init__(self, dispatcher) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(HIDDEN)
+        self.moe = torch.nn.ModuleList(moe_comm.MoELayer(dispatcher.config, 16, dispatcher=dispatcher, seed=s)
+                                       for s in (1, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.moe:
+            x = x + layer(self.norm(x))
+        return x
+
+
+def _compiled_model_rank(rank: int, world_size: int) -> dict:
+    x = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(rank))
+    with moe_comm.Dispatcher(_config()) as disp:
+        model = _TwoMoeBlocks(disp)
+
+        def run(forward) -> list[torch.Tensor]:
+            model.zero_grad()
+            z = forward(x)
+            (z * z).sum().backward()
+            return [z.detach()] + [p.grad.clone() for p in model.parameters()]
+
+        eager = run(model)
+        explain = torch._dynamo.explain(model)(x)
+        compiled = run(torch.compile(model, fullgraph=True))
+        disp.check()
+    return {"graphs": explain.graph_count, "breaks": explain.graph_break_count,
+            "errors": [((a - b).abs().max() / a.abs().max()).item() for a, b in zip(eager, compiled)]}
+
+
+def test_compiled_model_with_moe_layers_equals_eager():
+    # Output and every parameter's gradient (norm, routers, both layers' experts). On CPU the
+    # compiled layer runs its experts over all rows (masked) where eager slices them exactly.
+    for result in run_ranks(_compiled_model_rank, 2, timeout_s=600):
+        assert (result["graphs"], result["breaks"]) == (1, 0), result
+        assert len(result["errors"]) == 1 + 2 + 2 * 3 and max(result["errors"]) < 1e-5, result

@@ -16,7 +16,7 @@ from moe_comm.experts import (
     sliced_experts,
     swiglu,
 )
-from moe_comm.layer import MoELayer, route
+from moe_comm.layer import MoELayer, MoEWeights, route
 from moe_comm.reference import build_dense_weights, dense_forward
 from layer_checks import BASE, FFN, TOLERANCE, assert_within, layer_errors
 from multirank import run_ranks
@@ -67,6 +67,50 @@ def _argument_errors(rank, world_size, backend):
     return messages
 
 
+def _random_weights(cfg, seed: int) -> MoEWeights:
+    """Every expert's weights, the same on every rank (as a checkpoint would give them)."""
+    gen = torch.Generator().manual_seed(seed)
+    experts, hidden = cfg.num_experts, cfg.hidden
+    return MoEWeights(router=torch.randn(experts, hidden, generator=gen) / hidden**0.5,
+                      w_gate_up=torch.randn(experts, hidden, 2 * FFN, generator=gen) / hidden**0.5,
+                      w_down=torch.randn(experts, FFN, hidden, generator=gen) / FFN**0.5)
+
+
+def _given_weights(rank, world_size, backend):
+    """Layers built from given weights (every expert's, or this rank's only) against the dense
+    reference on the same weights; the state dict round trip and its refusals."""
+    cfg = load_config(None, backend=backend, dtype="float32", **BASE)
+    results = {}
+    with Dispatcher(cfg) as disp:
+        given = [_random_weights(cfg, 40 + i) for i in range(2)]
+        for local in (False, True):
+            results[f"given_{'local' if local else 'global'}"] = layer_errors(
+                disp, rank, world_size, True, (10,), 2, given=given, local=local)
+        layer = MoELayer(cfg, dispatcher=disp, weights=given[0])
+        state = layer.state_dict()
+        results["expert_ids"] = state["expert_ids"].tolist()
+        other = MoELayer(cfg, FFN, dispatcher=disp, seed=3)
+        other.load_state_dict(state)
+        results["round_trip"] = all(torch.equal(a, b) for a, b in zip(other.state_dict().values(), state.values()))
+        foreign = dict(state, expert_ids=state["expert_ids"] + 1)
+        messages = {}
+        for name, build in {
+            "foreign_state": lambda: other.load_state_dict(foreign),
+            "experts_dim": lambda: MoELayer(cfg, dispatcher=disp, weights=MoEWeights(
+                given[0].router, given[0].w_gate_up[:3], given[0].w_down[:3])),
+            "ffn_mismatch": lambda: MoELayer(cfg, FFN + 1, dispatcher=disp, weights=given[0]),
+            "router_shape": lambda: MoELayer(cfg, dispatcher=disp, weights=MoEWeights(
+                given[0].router.t(), given[0].w_gate_up, given[0].w_down)),
+            "not_weights": lambda: MoELayer(cfg, dispatcher=disp, weights={"router": given[0].router}),
+        }.items():
+            try:
+                build()
+            except ConfigError as exc:
+                messages[name] = str(exc)
+        results["weight_errors"] = messages
+    return results
+
+
 def _layer_repr(backend):
     with MoELayer(load_config(None, backend=backend, dtype="float32", **BASE), FFN) as layer:
         return repr(layer)
@@ -76,6 +120,7 @@ def _all_scenarios(rank, world_size, backend, names):
     results = {name: _scenario(rank, world_size, backend, *SCENARIOS[name]) for name in names}
     results["errors"] = _argument_errors(rank, world_size, backend)
     results["repr"] = _layer_repr(backend)
+    results["weights"] = _given_weights(rank, world_size, backend)
     return results
 
 
@@ -95,6 +140,18 @@ def _check(per_rank: list, names) -> None:
         assert f"num_experts={BASE['num_experts']}, num_local_experts={BASE['num_experts'] // world_size}, " \
                f"rank={rank}/{world_size}" in layer_repr, layer_repr
         assert "expert_impl='loop'" in layer_repr and " experts=" not in layer_repr, layer_repr
+        weights = results["weights"]
+        for name in ("given_global", "given_local"):
+            assert_within(weights[name], TOLERANCE[torch.float32], f"rank {rank}, {name}")
+        local = BASE["num_experts"] // world_size
+        assert weights["expert_ids"] == list(range(rank * local, (rank + 1) * local))
+        assert weights["round_trip"]
+        errors = weights["weight_errors"]
+        assert "holds global experts" in errors["foreign_state"] and "this rank holds" in errors["foreign_state"]
+        assert "weights.w_gate_up" in errors["experts_dim"] and "[3, 32, 48]" in errors["experts_dim"]
+        assert "weights.w_gate_up" in errors["ffn_mismatch"] and f"2 * {FFN + 1}" not in errors["ffn_mismatch"]
+        assert "weights.router" in errors["router_shape"] and "[4, 32]" in errors["router_shape"]
+        assert "MoEWeights" in errors["not_weights"]
 
 
 # World 1 keeps every expert local (no exchange); world 2 moves tokens between ranks. One
