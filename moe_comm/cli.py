@@ -1,7 +1,8 @@
 """``moe-comm`` (also ``python -m moe_comm``): ``info``, ``run`` and ``compile``.
 
 * ``info``: torch, the CUDA devices and their peer access, and for every backend whether it
-  can run here and why not; which one ``backend: auto`` picks.
+  can run here and why not, with its transports as ``moe_comm.backends.registry`` describes
+  them; which one ``backend: auto`` picks.
 * ``run``: the main job. Spawns one rank per local GPU (or, without GPUs, N CPU ranks on the
   ``reference`` backend), runs MoELayer forward+backward steps and checks every step against
   the dense single-process reference (``moe_comm.job``); prints a table; exits 1 if a check fails.
@@ -24,15 +25,6 @@ from typing import Callable, Optional, Sequence
 
 __all__ = ["main"]
 
-GPU_BACKENDS = ("vmm", "nvshmem", "nccl")
-# Modules a backend needs besides the common ones; a backend whose modules are absent is not
-# part of this version of moe_comm.
-_BACKEND_MODULES = {
-    "vmm": ("moe_comm.backends.device", "moe_comm.symm.vmm"),
-    "nvshmem": ("moe_comm.backends.device", "moe_comm.symm.torch_symm"),
-    "nccl": ("moe_comm.backends.collective", "moe_comm.backends.device", "moe_comm.symm.torch_symm"),
-}
-
 
 class _UsageError(Exception):
     """A command-line value that cannot work; reported with exit code 2."""
@@ -53,8 +45,31 @@ def _probe(check: Callable[[], tuple[bool, str]]) -> tuple[bool, str]:
 # ------------------------------------------------------------------------------------ info
 
 
-def _missing_modules(backend: str) -> list[str]:
-    return [name for name in _BACKEND_MODULES[backend] if importlib.util.find_spec(name) is None]
+def _missing_modules(entry) -> list[str]:
+    return [name for name in entry.modules if importlib.util.find_spec(name) is None]
+
+
+def _absent(backend: str) -> Optional[str]:
+    """Why no transport of ``backend`` is in this install of moe_comm, or None when one is."""
+    from .backends import registry
+
+    missing = [_missing_modules(entry) for entry in registry.ENTRIES if entry.backend == backend]
+    if not all(missing):
+        return None
+    modules = sorted({module for absent in missing for module in absent})
+    return f"not in this version of moe_comm (missing {', '.join(modules)})"
+
+
+def _transports(backend: str) -> str:
+    from .backends import registry
+
+    return " and ".join(registry.transports(backend))
+
+
+def _describe_entry(entry) -> str:
+    missing = _missing_modules(entry)
+    absent = f"; not in this version of moe_comm (missing {', '.join(missing)})" if missing else ""
+    return f"{entry.id}: {entry.mover.value}; memory: {entry.memory.value}; reach: {entry.reach.value}{absent}"
 
 
 def _cuda_count() -> int:
@@ -82,9 +97,6 @@ def _probe_reference() -> tuple[bool, str]:
 
 
 def _probe_vmm() -> tuple[bool, str]:
-    missing = _missing_modules("vmm")
-    if missing:
-        return False, f"not in this version of moe_comm (missing {', '.join(missing)})"
     count = _cuda_count()
     if count == 0:
         return False, _no_cuda_reason()
@@ -107,22 +119,17 @@ def _probe_vmm() -> tuple[bool, str]:
 
 
 def _probe_nvshmem() -> tuple[bool, str]:
-    missing = _missing_modules("nvshmem")
-    if missing:
-        return False, f"not in this version of moe_comm (missing {', '.join(missing)})"
     if _cuda_count() == 0:
         return False, _no_cuda_reason()
     from torch.distributed import _symmetric_memory as symm_mem
 
     if not symm_mem.is_nvshmem_available():
         return False, "torch's NVSHMEM symmetric-memory backend is not available (nvidia-nvshmem not importable?)"
-    return True, "torch's NVSHMEM symmetric memory, transport p2p (the put transport is not in this version)"
+    return True, f"torch's NVSHMEM symmetric memory: transports {_transports('nvshmem')} (put compiles NVSHMEM's " \
+                 "device headers with NVRTC; the nvshmem-cu13 extra brings them)"
 
 
 def _probe_nccl() -> tuple[bool, str]:
-    missing = _missing_modules("nccl")
-    if missing:
-        return False, f"not in this version of moe_comm (missing {', '.join(missing)})"
     if _cuda_count() == 0:
         return False, _no_cuda_reason()
     import torch
@@ -130,9 +137,10 @@ def _probe_nccl() -> tuple[bool, str]:
 
     if not dist.is_nccl_available():
         return False, "torch.distributed has no NCCL backend"
-    return True, f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}: transports collective and symmetric"
+    return True, f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}: transports {_transports('nccl')}"
 
 
+# Whether each backend of the registry can run on this machine (one check per backend name).
 _PROBES = {"vmm": _probe_vmm, "nvshmem": _probe_nvshmem, "nccl": _probe_nccl, "reference": _probe_reference}
 
 
@@ -152,6 +160,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
     import torch
 
     from . import __version__
+    from .backends import registry
 
     _say(f"moe_comm {__version__} at {Path(__file__).resolve().parent}")
     _say(f"python {platform.python_version()}, torch {torch.__version__} (CUDA {torch.version.cuda or 'none: CPU build'})")
@@ -171,9 +180,13 @@ def _cmd_info(args: argparse.Namespace) -> int:
         if ok:
             _say(text)
     _say("backends:")
-    for name, check in _PROBES.items():
-        usable, why = _probe(check)
+    for name in registry.BACKEND_NAMES:
+        absent = _absent(name)
+        usable, why = (False, absent) if absent else _probe(_PROBES[name])
         _say(f"  {name:<10} {'usable' if usable else 'no':<7} {why}")
+        for entry in registry.ENTRIES:
+            if entry.backend == name:
+                _say(f"    - {_describe_entry(entry)}")
     ok, text = _probe(lambda: (True, _auto_choice()))
     _say(f"auto -> {text}" if ok else f"auto -> unknown ({text})")
     return 0

@@ -21,6 +21,7 @@ import torch
 import yaml
 
 from .assets import asset_dir
+from .backends import registry
 from .errors import ConfigError
 
 __all__ = [
@@ -35,7 +36,7 @@ __all__ = [
     "default_config_text",
 ]
 
-BACKENDS = ("auto", "vmm", "nvshmem", "nccl", "reference")
+BACKENDS = ("auto",) + registry.BACKEND_NAMES
 EXPERT_IMPLS = ("auto", "grouped_mm", "loop")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -90,7 +91,7 @@ class NvshmemConfig:
     heap_size_mb: Optional[int] = None
 
     def __post_init__(self) -> None:
-        _check_choice("nvshmem.transport", self.transport, ("p2p", "put"))
+        _check_choice("nvshmem.transport", self.transport, registry.transports("nvshmem"))
         if self.heap_size_mb is not None:
             _check_int("nvshmem.heap_size_mb", self.heap_size_mb, 1)
 
@@ -107,7 +108,7 @@ class NcclConfig:
     transport: str = "collective"
 
     def __post_init__(self) -> None:
-        _check_choice("nccl.transport", self.transport, ("collective", "symmetric"))
+        _check_choice("nccl.transport", self.transport, registry.transports("nccl"))
 
 
 _SECTIONS = {"vmm": VmmConfig, "nvshmem": NvshmemConfig, "nccl": NcclConfig}

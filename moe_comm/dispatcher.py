@@ -13,7 +13,7 @@ from . import ops, protocol
 from .agreement import agree
 from .routing import Routing
 from .autograd import combine_with_grad, dispatch_with_grad
-from .backends import create_backend, host_identity, resolve_backend_name
+from .backends import host_identity, resolve_backend
 from .config import Config
 from .errors import ConfigError, DeviceStatusError, InputError, MoeCommError
 
@@ -135,11 +135,12 @@ class Dispatcher:
         hosts = self._check_same_config()
         cuda_wanted = config.backend not in ("reference",) and torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda_wanted else torch.device("cpu")
-        self.backend_name = resolve_backend_name(config, self.device, hosts)
+        entry = resolve_backend(config, self.device, hosts)
+        self.backend_name = entry.backend
         self.num_local_experts = config.num_local_experts(self.world_size)
         self.capacity_rows = config.capacity_rows(self.world_size)
         self._id = next(_dispatcher_ids)
-        self._backend = create_backend(self.backend_name, config, group, self.device)
+        self._backend = entry.create(config, group, self.device)
         ops.register_backend(self._id, self._backend)
         self._closed = False
 

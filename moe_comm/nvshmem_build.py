@@ -2,7 +2,7 @@
 
 The put transport (``nvshmem.transport: put``) compiles ``csrc/*.cu`` with ``PUT_TRANSPORT=1``:
 ``csrc/transport.cuh`` then includes NVSHMEM's device headers, header-only (every device
-function inlined), as PLATFORM.md describes. NVRTC needs three include directories: NVSHMEM's
+function inlined), so no NVSHMEM device library is linked. NVRTC needs three include directories: NVSHMEM's
 (the ``nvidia-nvshmem-cu13`` wheel torch uses), CCCL's (``cuda/std`` type traits; the
 ``nvidia-cuda-cccl`` wheel or a CUDA toolkit) and the CUDA runtime headers NVSHMEM's headers
 include (the ``nvidia-cuda-runtime`` wheel or a CUDA toolkit); ``cuda.pathfinder`` finds each.

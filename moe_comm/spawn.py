@@ -38,7 +38,7 @@ from .errors import RankFailureError
 
 __all__ = ["MULTICAST_OFF_ENV", "run_ranks"]
 
-# NVLink multicast can take a shared host's GPUs out of service (PLATFORM.md): every rank
+# NVLink multicast (NVLS) can take a shared host's GPUs out of service: every rank
 # process keeps NCCL, torch's symmetric memory and NVSHMEM off it. The launcher owns these
 # processes, so it sets the variables there and never in the caller's own environment.
 MULTICAST_OFF_ENV = {

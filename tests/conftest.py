@@ -20,9 +20,13 @@ def _cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+# The one way a test skips for want of GPUs. A fixture rather than a marker or skipif: several
+# tests learn how many GPUs they need only from their parameters (a backend that can share a GPU
+# needs one, the others one per rank), and they need the count present to choose how to spawn.
 @pytest.fixture
 def requires_gpus():
-    """``requires_gpus(n)`` skips the calling test unless this machine has at least ``n`` CUDA GPUs.
+    """``requires_gpus(n)`` skips the calling test unless this machine has at least ``n`` CUDA GPUs;
+    returns the number present.
 
     GPU tests also carry ``@pytest.mark.gpu`` so ``pytest -m gpu`` selects them.
     """

@@ -1,12 +1,14 @@
-"""Which backend ``auto`` picks, and the errors a backend gives when it cannot run here."""
+"""The backend registry, which backend ``auto`` picks, and the errors a backend gives when it cannot run here."""
 
 from __future__ import annotations
+
+import importlib.util
 
 import pytest
 import torch
 
 import moe_comm
-from moe_comm.backends import create_backend, resolve_backend_name
+from moe_comm.backends import create_backend, registry, resolve_backend, resolve_backend_name
 from moe_comm.backends.collective import CollectiveBackend
 from multirank import run_ranks
 
@@ -26,6 +28,20 @@ def test_auto_choice(device, hosts, expected):
     assert resolve_backend_name(moe_comm.load_config(None, backend="auto"), device, hosts) == expected
 
 
+def test_auto_across_hosts_takes_the_collective_transport_whatever_the_config_says():
+    cfg = moe_comm.load_config(None, backend="auto", nccl={"transport": "symmetric"})
+    assert resolve_backend(cfg, torch.device("cuda", 0), TWO_HOSTS).id == "nccl-collective"
+
+
+def test_every_registry_entry_is_selectable_and_present():
+    assert len({entry.id for entry in registry.ENTRIES}) == len(registry.ENTRIES)
+    for entry in registry.ENTRIES:
+        cfg = moe_comm.load_config(None, backend=entry.backend, **entry.config_overrides)
+        assert registry.configured(entry.backend, cfg) is entry
+        assert all(importlib.util.find_spec(name) is not None for name in entry.modules), entry.id
+    assert moe_comm.config.BACKENDS == ("auto",) + registry.BACKEND_NAMES
+
+
 def test_an_explicit_backend_is_kept():
     cfg = moe_comm.load_config(None, backend="nvshmem")
     assert resolve_backend_name(cfg, torch.device("cpu"), TWO_HOSTS) == "nvshmem"
@@ -38,6 +54,9 @@ def _unusable_backends(rank: int, world: int) -> None:
         with pytest.raises(moe_comm.BackendError, match=f"backend '{name}' needs CUDA GPUs"):
             moe_comm.Dispatcher(moe_comm.load_config(None, backend=name, **base))
     cfg = moe_comm.load_config(None, backend="nccl", nccl={"transport": "collective"}, **base)
+    # On CPU tensors the collective transport would run over gloo: that is 'reference', so say so.
+    with pytest.raises(moe_comm.BackendError, match="backend 'nccl' needs CUDA GPUs.*use 'reference' on CPU"):
+        moe_comm.Dispatcher(cfg)
     # The collective transport on CUDA tensors needs an NCCL group; this one is gloo.
     with pytest.raises(moe_comm.BackendError, match="needs a process group with nccl"):
         CollectiveBackend(cfg, None, torch.device("cuda", 0), "nccl")

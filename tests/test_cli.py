@@ -11,6 +11,7 @@ import pytest
 
 import moe_comm
 from moe_comm import cli, spawn
+from moe_comm.backends import registry
 from moe_comm.job import CHECKED, StepResult
 
 # Subprocesses import the same moe_comm as this test process (the source tree or an install).
@@ -44,6 +45,10 @@ def test_info_lists_every_backend():
     assert any(line.startswith("  reference  usable") for line in lines)
     assert any(line.startswith("auto -> ") for line in lines)
     assert "torch " in result.stdout
+    # Every registry entry is listed under its backend, with its mover, memory and reach.
+    assert set(cli._PROBES) == set(registry.BACKEND_NAMES)
+    for entry in registry.ENTRIES:
+        assert f"    - {entry.id}: {entry.mover.value}; memory: {entry.memory.value}" in result.stdout, entry.id
 
 
 def test_run_two_cpu_ranks_passes():

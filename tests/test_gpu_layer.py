@@ -27,7 +27,7 @@ from torch import nn
 
 import moe_comm
 from moe_comm.layer import MoELayer
-from gpu_backends import GPU_BACKENDS, dist_backend_for
+from gpu_backends import GPU_BACKENDS, dist_backend_for, gpus_needed
 from layer_checks import BASE, FFN, TOLERANCE, assert_within, layer_errors, rel_err
 from multirank import run_ranks
 
@@ -202,10 +202,8 @@ def _rank_main(rank: int, world: int, backend_id: str) -> dict:
 # Every GPU backend: the layer must give the same results whichever transport moves the rows.
 @pytest.mark.parametrize("backend_id", list(GPU_BACKENDS))
 def test_layer_on_gpu_backend(backend_id, requires_gpus):
-    gpus = requires_gpus(1)
-    dist_backend = dist_backend_for(backend_id, WORLD, gpus)
-    if dist_backend is None:
-        pytest.skip(f"{backend_id} with {WORLD} ranks needs {WORLD} GPUs; this machine has {gpus}")
+    gpus = requires_gpus(gpus_needed(backend_id, WORLD))
+    dist_backend = dist_backend_for(WORLD, gpus)
     per_rank = run_ranks(_rank_main, WORLD, backend_id, dist_backend=dist_backend, gpu=True, timeout_s=300)
     for rank, results in enumerate(per_rank):
         for (name, check), errors in results.items():

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import moe_comm
-from gpu_backends import GPU_BACKENDS, dist_backend_for
+from gpu_backends import GPU_BACKENDS, dist_backend_for, gpus_needed
 from multirank import run_ranks
 
 pytestmark = pytest.mark.gpu
@@ -39,11 +39,10 @@ def _config(name: str, section: dict, **overrides):
     return moe_comm.load_config(None, **values)
 
 
-def _spawn(backend_id: str, fn, timeout_s: float) -> list:
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    dist_backend = dist_backend_for(backend_id, 2, gpus)
-    if dist_backend is None:
-        pytest.skip(f"{backend_id} at world 2 needs more GPUs than the {gpus} present")
+def _spawn(backend_id: str, fn, timeout_s: float, requires_gpus) -> list:
+    """Run ``fn`` on 2 ranks of ``backend_id``; ``requires_gpus`` is the test's fixture (skips without the GPUs)."""
+    gpus = requires_gpus(gpus_needed(backend_id, 2))
+    dist_backend = dist_backend_for(2, gpus)
     name, section = GPU_BACKENDS[backend_id]
     return run_ranks(fn, 2, name, section, dist_backend=dist_backend, gpu=True, timeout_s=timeout_s)
 
@@ -92,9 +91,9 @@ def _skipped_step(rank: int, world: int, name: str, section: dict) -> float:
 
 
 @pytest.mark.parametrize("backend_id", list(GPU_BACKENDS))
-def test_skipped_step_times_out_with_phase_and_peer(backend_id):
+def test_skipped_step_times_out_with_phase_and_peer(backend_id, requires_gpus):
     # run_ranks fails if either rank hangs, also in its teardown (process group destroyed at exit).
-    elapsed = _spawn(backend_id, _skipped_step, timeout_s=180)
+    elapsed = _spawn(backend_id, _skipped_step, timeout_s=180, requires_gpus=requires_gpus)
     assert 0 < elapsed[0] < TIMEOUT_S + 5.0
 
 
@@ -146,8 +145,8 @@ def _mismatch_and_misuse(rank: int, world: int, name: str, section: dict) -> str
 
 
 @pytest.mark.parametrize("backend_id", list(GPU_BACKENDS))
-def test_mismatched_setups_and_misuse_raise(backend_id):
-    assert _spawn(backend_id, _mismatch_and_misuse, timeout_s=240) == ["ok", "ok"]
+def test_mismatched_setups_and_misuse_raise(backend_id, requires_gpus):
+    assert _spawn(backend_id, _mismatch_and_misuse, timeout_s=240, requires_gpus=requires_gpus) == ["ok", "ok"]
 
 
 # ----------------------------------------------------------------------------- (c) lifecycle
@@ -199,8 +198,8 @@ def _lifecycle(rank: int, world: int, name: str, section: dict) -> dict:
 
 
 @pytest.mark.parametrize("backend_id", list(GPU_BACKENDS))
-def test_build_and_close_fifty_times_returns_resources(backend_id):
-    _spawn(backend_id, _lifecycle, timeout_s=420)
+def test_build_and_close_fifty_times_returns_resources(backend_id, requires_gpus):
+    _spawn(backend_id, _lifecycle, timeout_s=420, requires_gpus=requires_gpus)
 
 
 # ----------------------------------------------------------------------------- (d) soak
@@ -256,5 +255,5 @@ def _soak(rank: int, world: int, name: str, section: dict) -> int:
 
 @pytest.mark.soak
 @pytest.mark.parametrize("backend_id", list(GPU_BACKENDS))
-def test_soak_ten_thousand_replays_match_reference(backend_id):
-    assert _spawn(backend_id, _soak, timeout_s=300) == [SOAK_REPLAYS // SOAK_CHECK_EVERY] * 2
+def test_soak_ten_thousand_replays_match_reference(backend_id, requires_gpus):
+    assert _spawn(backend_id, _soak, timeout_s=300, requires_gpus=requires_gpus) == [SOAK_REPLAYS // SOAK_CHECK_EVERY] * 2

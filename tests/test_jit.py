@@ -223,15 +223,15 @@ def test_compile_all_builds_every_packaged_kernel(nvrtc, cache):
 # ------------------------------------------------------------------ GPU: loading and launching
 
 
-def _cuda_device():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
+@pytest.fixture
+def device(requires_gpus) -> torch.device:
+    """The current CUDA device; skips the test on a machine without one."""
+    requires_gpus(1)
     return torch.device("cuda", torch.cuda.current_device())
 
 
 @pytest.mark.gpu
-def test_load_and_launch(cache):
-    device = _cuda_device()
+def test_load_and_launch(cache, device):
     fn = jit.load_function(device, "toy", "fill_value", {"VALUE": 7}, source=TOY_SOURCE)
     assert jit.load_function(device, "toy", "fill_value", {"VALUE": 7}, source=TOY_SOURCE) is fn
     x = torch.zeros(1000, device=device)
@@ -241,11 +241,10 @@ def test_load_and_launch(cache):
 
 
 @pytest.mark.gpu
-def test_launch_from_a_fresh_thread(cache):
+def test_launch_from_a_fresh_thread(cache, device):
     """A thread that made no CUDA call has no current context; launching there must still work."""
     import threading
 
-    device = _cuda_device()
     fn = jit.load_function(device, "toy", "fill_value", {"VALUE": 9}, source=TOY_SOURCE)
     x = torch.zeros(64, device=device)
     stream = torch.cuda.current_stream(device)
@@ -266,10 +265,9 @@ def test_launch_from_a_fresh_thread(cache):
 
 
 @pytest.mark.gpu
-def test_launch_while_another_device_is_current(cache):
+def test_launch_while_another_device_is_current(cache, requires_gpus):
     """Launching device 0's kernel while the thread's current device is another one."""
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 CUDA GPUs")
+    requires_gpus(2)
     device = torch.device("cuda", 0)
     fn = jit.load_function(device, "toy", "fill_value", {"VALUE": 11}, source=TOY_SOURCE)
     x = torch.zeros(64, device=device)
@@ -281,8 +279,7 @@ def test_launch_while_another_device_is_current(cache):
 
 
 @pytest.mark.gpu
-def test_dynamic_shared_memory_past_48_kib(cache):
-    device = _cuda_device()
+def test_dynamic_shared_memory_past_48_kib(cache, device):
     fn = jit.load_function(device, "shared", "through_shared", source=SHARED_SOURCE)
     n = 100 * 1024 // 4  # 100 KiB of floats: needs the opt-in attribute
     src = torch.arange(n, dtype=torch.float32, device=device)
@@ -294,8 +291,7 @@ def test_dynamic_shared_memory_past_48_kib(cache):
 
 
 @pytest.mark.gpu
-def test_capture_replays_a_cached_function_and_refuses_to_compile(cache):
-    device = _cuda_device()
+def test_capture_replays_a_cached_function_and_refuses_to_compile(cache, device):
     directory, calls = cache
     fn = jit.load_function(device, "toy", "fill_value", {"VALUE": 4}, source=TOY_SOURCE)
     x = torch.zeros(256, device=device)
@@ -314,8 +310,7 @@ def test_capture_replays_a_cached_function_and_refuses_to_compile(cache):
 
 
 @pytest.mark.gpu
-def test_unknown_entry_names_it(cache):
-    device = _cuda_device()
+def test_unknown_entry_names_it(cache, device):
     with pytest.raises(BackendError, match="no_such_entry"):
         jit.load_function(device, "toy", "no_such_entry", {"VALUE": 1}, source=TOY_SOURCE)
 

@@ -24,10 +24,6 @@ from moe_comm.symm import vmm
 from moe_comm.symm.base import SymmetricMemory, wrap_device_pointer
 from moe_comm.symm.vmm import VmmSymmetricMemory, open_fd_count
 
-needs_two_gpus = pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"
-)
-
 NBYTES = 8 << 20  # 8 MiB: four granules, so a leaked allocation shows in the free-memory check
 TIMEOUT_S = 60.0
 
@@ -138,10 +134,11 @@ def rank_reach_every_copy(rank: int, world_size: int, fd_passing: str) -> None:
 # World 2: one rank per GPU, peers over NVLink. World 4: two ranks share each GPU, so a "peer"
 # copy may sit on this rank's own GPU. pidfd passing runs once (the GPU machines allow it).
 @pytest.mark.gpu
-@needs_two_gpus
 @pytest.mark.parametrize("world_size,fd_passing", [(2, "scm_rights"), (4, "scm_rights"), (2, "pidfd")])
-def test_every_rank_reaches_every_copy(world_size, fd_passing):
+def test_every_rank_reaches_every_copy(world_size, fd_passing, requires_gpus):
     from multirank import run_ranks
+
+    requires_gpus(2)
 
     # The last rank arrives late: nobody may connect to a socket before its owner listens.
     run_ranks(rank_reach_every_copy, world_size, fd_passing, gpu=True, timeout_s=180.0,
@@ -159,9 +156,10 @@ def rank_build_and_close(rank: int, world_size: int, rounds: int) -> None:
 
 
 @pytest.mark.gpu
-@needs_two_gpus
-def test_build_and_close_leaves_nothing_behind():
+def test_build_and_close_leaves_nothing_behind(requires_gpus):
     from multirank import run_ranks
+
+    requires_gpus(2)
 
     # World 4 so that two ranks per GPU also import each other's memory.
     run_ranks(rank_build_and_close, 4, 20, gpu=True, timeout_s=240.0)
@@ -191,10 +189,11 @@ def rank_failed_setup_is_undone(rank: int, world_size: int, failing_ranks: list[
 
 # Every rank failing unwinds everywhere; one rank failing must also unwind the ranks that succeeded.
 @pytest.mark.gpu
-@needs_two_gpus
 @pytest.mark.parametrize("failing_ranks", [[0, 1, 2, 3], [1]])
-def test_failed_setup_leaves_nothing_behind(failing_ranks):
+def test_failed_setup_leaves_nothing_behind(failing_ranks, requires_gpus):
     from multirank import run_ranks
+
+    requires_gpus(2)
 
     run_ranks(rank_failed_setup_is_undone, 4, failing_ranks, gpu=True, timeout_s=180.0)
 
@@ -210,9 +209,10 @@ def rank_missing_undo_is_caught(rank: int, world_size: int) -> bool:
 
 
 @pytest.mark.gpu
-@needs_two_gpus
-def test_leak_check_catches_a_missing_undo():
+def test_leak_check_catches_a_missing_undo(requires_gpus):
     from multirank import run_ranks
+
+    requires_gpus(2)
 
     assert all(run_ranks(rank_missing_undo_is_caught, 2, gpu=True, timeout_s=120.0))
 

@@ -1,22 +1,23 @@
-"""The interface every backend implements, and the choice behind ``backend: auto``."""
+"""The interface every backend implements, and the host identity that tells ranks on one host apart."""
 
 from __future__ import annotations
 
 import abc
-import logging
 import socket
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional
+
 import torch
 import torch.distributed as dist
 
 from .. import protocol
-from ..config import Config
 from ..routing import Routing
 
-__all__ = ["Backend", "DispatchResult", "host_identity", "resolve_backend_name"]
+if TYPE_CHECKING:
+    # Annotations only: moe_comm.config reads the backend registry, which imports this package.
+    from ..config import Config
 
-_log = logging.getLogger("moe_comm")
+__all__ = ["Backend", "DispatchResult", "host_identity"]
 
 
 @dataclass
@@ -98,24 +99,3 @@ def host_identity() -> tuple[str, str]:
         boot_id = ""
     return socket.gethostname(), boot_id
 
-
-def resolve_backend_name(config: Config, device: torch.device, hosts: Sequence[tuple[str, str]]) -> str:
-    """The backend a config names, with ``auto`` resolved; logs the choice and why.
-
-    Args:
-        config: the config. device: the dispatcher's device.
-        hosts: every rank's :func:`host_identity`, in rank order.
-    """
-    if config.backend != "auto":
-        return config.backend
-    if device.type != "cuda":
-        _log.info("backend auto -> reference: the dispatcher's device is %s, not a GPU", device)
-        return "reference"
-    if len(set(hosts)) == 1:
-        _log.info("backend auto -> vmm: every rank is on this host, so CUDA VMM memory can be shared between them")
-        return "vmm"
-    _log.info(
-        "backend auto -> nccl (collective transport): the ranks span %d hosts, where vmm cannot reach and "
-        "nvshmem's peer mappings do not hold", len(set(hosts))
-    )
-    return "nccl"

@@ -33,7 +33,7 @@ def wrap_device_pointer(ptr: int, nbytes: int, device: torch.device) -> torch.Te
     """A zero-copy ``uint8 [nbytes]`` tensor over device memory at ``ptr`` (local or a peer's mapping).
 
     ``device`` must carry an index: ``torch.as_tensor(..., device="cuda")`` silently copied peer
-    memory on the GPU machines (PLATFORM.md). ``__cuda_array_interface__`` has no bfloat16, so
+    memory on the GPU machines. ``__cuda_array_interface__`` has no bfloat16, so
     callers ``.view(dtype)`` the bytes. The tensor does not own the memory: it is invalid once
     the allocation is closed.
 

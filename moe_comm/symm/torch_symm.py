@@ -13,7 +13,7 @@ With ``put_transport=True`` (NVSHMEM puts) every entry of the peer table is
 this rank's own address of the buffer instead: kernels then name a peer's copy by that address
 and the peer's rank (NVSHMEM puts), which also reaches peers on other nodes.
 
-Facts this relies on (PLATFORM.md): the provider is chosen once per process with
+Facts of torch's symmetric memory this relies on: the provider is chosen once per process with
 ``set_backend`` before the first allocation; ``empty`` is collective and needs a device with an
 explicit index; NCCL needs one ordinary collective on the group before the first rendezvous.
 NVSHMEM starts at the process's first NVSHMEM allocation and reads its heap size
