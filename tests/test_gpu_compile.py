@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import moe_comm
-from gpu_backends import dist_backend_for
+from gpu_backends import dist_backend_for, gpus_needed
 from multirank import run_ranks
 
 pytestmark = pytest.mark.gpu
@@ -70,9 +70,8 @@ def _rank_main(rank: int, world: int) -> dict:
 # World 1 keeps every expert local; world 2 exchanges tokens (time-sliced ranks on one GPU).
 @pytest.mark.parametrize("world", [1, 2])
 def test_compiled_model_on_gpu_equals_eager(world, requires_gpus):
-    gpus = requires_gpus(1)
-    per_rank = run_ranks(_rank_main, world, dist_backend=dist_backend_for("vmm", world, gpus), gpu=True,
-                         timeout_s=300)
+    gpus = requires_gpus(gpus_needed("vmm", world))
+    per_rank = run_ranks(_rank_main, world, dist_backend=dist_backend_for(world, gpus), gpu=True, timeout_s=300)
     for rank, result in enumerate(per_rank):
         assert (result["graphs"], result["breaks"]) == (1, 0), f"rank {rank}: {result}"
         # bf16 end to end: Inductor fuses the norm and the residuals, so not bitwise.
