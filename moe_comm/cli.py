@@ -358,9 +358,14 @@ def _positive(text: str) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
+    import torch
+
+    from . import __version__
+
     parser = argparse.ArgumentParser(
         prog="moe-comm", description="Dispatch/combine of MoE tokens between GPUs: inspect, check and compile."
     )
+    parser.add_argument("--version", action="version", version=f"moe-comm {__version__} (torch {torch.__version__})")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     info = commands.add_parser("info", help="torch, CUDA devices, peer access, and which backends can run here")

@@ -36,6 +36,13 @@ def test_module_help_lists_the_commands():
         assert command in result.stdout
 
 
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith(f"moe-comm {moe_comm.__version__} (torch ")
+
+
 def test_info_lists_every_backend():
     result = _run(_command() + ["info"])
     assert result.returncode == 0, result.stderr
