@@ -10,8 +10,6 @@ are checked by :meth:`Config.check_world` when a ``Dispatcher`` is built.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import math
 import os
 from dataclasses import dataclass, field, fields
@@ -224,11 +222,6 @@ class Config:
     def to_dict(self) -> dict:
         """Plain nested dict of every field (round-trips through :func:`load_config`)."""
         return dataclasses.asdict(self)
-
-    def fingerprint(self) -> str:
-        """Short hash of every field; ranks compare it to catch mismatched configs at construction."""
-        text = json.dumps(self.to_dict(), sort_keys=True)
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def default_config_text() -> str:

@@ -105,6 +105,18 @@ def _check_tensor(name: str, tensor, shape: tuple, dtypes: tuple, device: torch.
         raise InputError(f"{name}: expected a contiguous tensor, got strides {tensor.stride()} (call .contiguous())")
 
 
+def _differing_keys(configs: list[dict], prefix: str = "") -> dict[str, list]:
+    """Dotted key -> every rank's value, for each key whose value is not the same on every rank."""
+    differing: dict[str, list] = {}
+    for key in configs[0]:
+        values = [config[key] for config in configs]
+        if all(isinstance(value, dict) for value in values):
+            differing.update(_differing_keys(values, f"{prefix}{key}."))
+        elif any(value != values[0] for value in values):
+            differing[f"{prefix}{key}"] = values
+    return differing
+
+
 class Dispatcher:
     """Dispatch tokens to the ranks of their experts and combine the expert outputs back.
 
@@ -145,20 +157,24 @@ class Dispatcher:
         self._closed = False
 
     def _check_same_config(self) -> list[tuple[str, str]]:
-        """Compare the config fingerprints of all ranks (one gather); returns every rank's host identity.
+        """Compare the configs of all ranks (one gather); returns every rank's host identity.
 
         Ranks that build their Dispatchers in a different order pair up different configs here,
-        so they get this error too (on every rank) instead of a hang or garbage later.
+        so they get this error too (on every rank) instead of a hang or garbage later. The error
+        names each key that differs and every rank's value of it.
         """
-        mine = self.config.fingerprint()
+        mine = self.config.to_dict()
         gathered = agree(self.group, lambda: (mine, host_identity()), error=ConfigError,
-                         what="reading the config fingerprint and host identity")
-        others = [r for r, (fingerprint, _) in enumerate(gathered) if fingerprint != mine]
-        if others:
+                         what="reading the config and host identity")
+        differing = _differing_keys([config for config, _ in gathered])
+        if differing:
+            shown = "; ".join(
+                f"'{key}': " + ", ".join(f"rank {r} has {value!r}" for r, value in enumerate(values))
+                for key, values in differing.items()
+            )
             raise ConfigError(
-                f"Dispatcher config differs between ranks: rank {self.rank} has fingerprint {mine}, "
-                f"ranks {others} have another; every rank must build its Dispatchers from the same configs, "
-                "in the same order"
+                f"Dispatcher config differs between ranks: {shown}; every rank must build its Dispatchers from the "
+                "same configs, in the same order"
             )
         return [host for _, host in gathered]
 

@@ -117,8 +117,11 @@ def _mismatched_setups(rank: int, world: int) -> list:
         with pytest.raises(moe_comm.ConfigError, match="differs between ranks.*same order"):
             moe_comm.Dispatcher(config)
         outcomes.append("raised")
-    with pytest.raises(moe_comm.ConfigError, match=f"differs between ranks: rank {rank} has fingerprint"):
+    # The error names the key that differs and every rank's value of it.
+    with pytest.raises(moe_comm.ConfigError, match=r"differs between ranks: 'timeout_s': rank 0 has .*, rank 1 has "):
         moe_comm.Dispatcher(_config(timeout_s=TIMEOUT_S + rank))
+    with pytest.raises(moe_comm.ConfigError, match=r"'vmm.fd_passing': rank 0 has 'scm_rights', rank 1 has 'pidfd'"):
+        moe_comm.Dispatcher(_config(vmm={"fd_passing": ("scm_rights", "pidfd")[rank]}))
     # After the errors the group is still in step: a matching construction works.
     with moe_comm.Dispatcher(_config()) as disp:
         x, idx, w = _inputs(3, seed=rank)
