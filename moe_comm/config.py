@@ -138,9 +138,12 @@ class Config:
         keeps its own segment (static shapes, graph-capturable, ``E_local`` times the FLOPs), on
         CPU each expert runs on its exact rows. ``auto``: ``grouped_mm`` where it is supported,
         else ``loop``.
+    sm_budget: the SMs every kernel of dispatch and combine (forward and backward) may use: their
+        grids are this many blocks of one SM each, so the rest of the GPU stays free for work on
+        other streams (compute overlapping the communication). None: the whole device.
     num_sms: blocks (one per SM) of the kernels that push token rows to peers (dispatch's and
-        redispatch's senders); the receiving side's layout, expansion and combine, which mostly
-        read and write local memory, use every SM of the device.
+        redispatch's senders), within ``sm_budget``; the receiving side's layout, expansion and
+        combine, which mostly read and write local memory, use every SM of the budget.
     timeout_s: longest wait on another rank before the wait gives up and reports the peer
         and the phase.
     check_every_step: read the device status after every call and raise on a fault (a host
@@ -157,6 +160,7 @@ class Config:
     expert_alignment: int = 16
     expert_capacity: Optional[int] = None
     experts: str = "auto"
+    sm_budget: Optional[int] = None
     num_sms: int = 24
     timeout_s: float = 30.0
     check_every_step: bool = False
@@ -181,6 +185,8 @@ class Config:
         if self.expert_capacity is not None:
             _check_int("expert_capacity", self.expert_capacity, 1)
         _check_choice("experts", self.experts, EXPERT_IMPLS)
+        if self.sm_budget is not None:
+            _check_int("sm_budget", self.sm_budget, 1)
         _check_int("num_sms", self.num_sms, 1)
         _check_float("timeout_s", self.timeout_s)
         if not isinstance(self.check_every_step, bool):
