@@ -53,8 +53,6 @@
 
 #include "common.cuh"
 
-#define DISPATCH_THREADS 512
-#define SEND_VPL 8          // 16-byte vectors per lane per unit in the send phase
 #define EXPAND_VPL 4        // small units: decode sizes have few rows to spread over the SMs
 #define LAYOUT_BATCH 8      // tiles whose metadata a warp loads before it ranks them
 

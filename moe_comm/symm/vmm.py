@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import BackendError, CommTimeoutError, InputError, MoeCommError
-from ..jit import cu_check, cuda_driver, device_context
+from ..driver import cu_check, cuda_driver, device_context
 from .base import SymmetricMemory, wrap_device_pointer
 
 __all__ = ["FD_PASSING", "VmmSymmetricMemory", "open_fd_count"]
