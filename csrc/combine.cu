@@ -33,11 +33,9 @@
 
 #include "common.cuh"
 
-#define COMBINE_THREADS 512
 #define COMBINE_SEND_VPL 1   // vectors per lane per unit
 #define COMBINE_GROUP 8      // entries whose vectors are loaded at once (one round trip for top-8)
 #define COMBINE_RECV_VPL 4
-#define VALUES_THREADS 512
 
 template <int VPL>
 __device__ __forceinline__ void zero_acc(float (&acc)[VPL][ELEMS_PER_VEC]) {

@@ -1,7 +1,7 @@
 // common.cuh: device helpers shared by moe_comm's kernels (dispatch.cu, combine.cu).
 //
-// NVRTC has no standard headers: this file includes only transport.cuh (which includes NVSHMEM's
-// device headers for the put transport) and defines its own fixed-width types, 16-byte row
+// NVRTC has no standard headers: this file includes only protocol.cuh and transport.cuh (which
+// includes NVSHMEM's device headers for the put transport) and defines its own fixed-width types, 16-byte row
 // vectors, dtype conversions (inline PTX), system-scope flags, the bounded spin-wait that reports
 // timeouts into the device status word, the "last block done" pattern, and the remote writes of
 // both transports (the only code that differs between them).
@@ -12,21 +12,24 @@
 //   TOPK    columns of topk_idx (1..32)
 //   PUT_TRANSPORT  0 (default): peer loads/stores; 1: NVSHMEM puts (see transport.cuh)
 //
-// Layouts mirrored from Python (keep in sync with moe_comm/routing.py and moe_comm/kernels.py):
-//   * status word  int64 [6]: see STATUS_* below (layout.STATUS_*).
+// Values shared with Python (status word fields, channels, flag kinds, timeout phases, state
+// words and slots, limits, block shapes, META_WORDS) come from protocol.cuh, which
+// moe_comm/jit.py generates from moe_comm/protocol.py; none is written out here. How they are used:
+//   * status word  int64 [STATUS_FIELDS], fields STATUS_*; status_* below write it.
 //   * flags        u64 at offset 0 of every rank's symmetric allocation:
-//                  flags[channel][kind][peer], channel 0 = "to destination" (dispatch, redispatch),
-//                  channel 1 = "to source" (combine, return_entry_values); kind 0 = arrival
-//                  (written by sender `peer`), 1 = count (T of sender `peer`), 2 = ack (written by
-//                  receiver `peer` once it finished reading what this rank sent it), 3 = metadata
-//                  (dispatch: sender `peer`'s metadata rows and count have landed), 4 + c = chunk
-//                  c of dispatch's rows (see MAX_CHUNKS).
-//   * state        u64 [32], local (not symmetric): [0 + channel] epoch of the last completed
-//                  operation on that channel; [2 + slot] done-counters of the last-block pattern;
-//                  [STATE_CHUNK_DONE + c] those of dispatch's chunks.
-//   * timeout phases: TIMEOUT_* below (layout.TIMEOUT_PHASES).
+//                  flags[channel][kind][peer] (flag_at), channel CH_TO_DEST (dispatch, redispatch)
+//                  or CH_TO_SOURCE (combine, return_entry_values); kind FLAG_ARRIVAL (written by
+//                  sender `peer`), FLAG_COUNT (T of sender `peer`), FLAG_ACK (written by receiver
+//                  `peer` once it finished reading what this rank sent it), FLAG_META (dispatch:
+//                  sender `peer`'s metadata rows and count have landed), FLAG_CHUNK + c (chunk c of
+//                  dispatch's rows, c < MAX_CHUNKS).
+//   * state        u64 [STATE_WORDS], local (not symmetric): [STATE_EPOCH + channel] epoch of the
+//                  last completed operation on that channel; [STATE_DONE + slot] done-counters of
+//                  the last-block pattern (SLOT_*); [STATE_CHUNK_DONE + c] those of dispatch's chunks.
+//   * timeout phases: TIMEOUT_*, recorded by wait_flag_geq.
 #pragma once
 
+#include "protocol.cuh"
 #include "transport.cuh"
 
 typedef unsigned char u8;
@@ -64,60 +67,7 @@ typedef unsigned long long u64;
 #define ELEMS_PER_VEC (16 / ELEM_BYTES)   // elements per 16-byte vector
 
 static_assert(ROW_BYTES % 16 == 0, "rows must be a multiple of 16 bytes");
-static_assert(TOPK >= 1 && TOPK <= 32, "TOPK must be in [1, 32] (one lane per column)");
-
-// A dispatch metadata row: TOPK local expert ids (int32, -1 = none), then TOPK weights (float32
-// bits), padded to a multiple of 4 words so rows stay 16-byte aligned.
-#define META_WORDS ((2 * TOPK + 3) / 4 * 4)
-
-// The most ranks a kernel handles (destination sets are 64-bit masks; peer bases live in shared memory).
-#define MAX_WORLD 64
-
-// ------------------------------------------------------------------------ status and protocol
-
-#define STATUS_NUM_INVALID 0
-#define STATUS_FIRST_INVALID 1
-#define STATUS_NUM_DROPPED 2
-#define STATUS_FIRST_DROPPED 3
-#define STATUS_TIMEOUT_PHASE 4
-#define STATUS_TIMEOUT_PEER 5
-#define NO_OFFENDER 0x7fffffffffffffffLL
-
-#define CH_TO_DEST 0
-#define CH_TO_SOURCE 1
-#define FLAG_ARRIVAL 0
-#define FLAG_COUNT 1
-#define FLAG_ACK 2
-#define FLAG_META 3
-// Dispatch's rows land in up to MAX_CHUNKS chunks of chunk_tokens tokens; flag kind FLAG_CHUNK + c
-// says chunk c of sender `peer` has landed.
-#define MAX_CHUNKS 4
-#define FLAG_CHUNK 4
-#define FLAG_KINDS (FLAG_CHUNK + MAX_CHUNKS)
-
-// Timeout phases: 1 + 2 * channel for "waiting for the peer's ack" (its slab is still being read),
-// 2 + 2 * channel for "waiting for the peer's arrival" (its data has not landed).
-#define TIMEOUT_TO_DEST_ACK 1
-#define TIMEOUT_TO_DEST_ARRIVAL 2
-#define TIMEOUT_TO_SOURCE_ACK 3
-#define TIMEOUT_TO_SOURCE_ARRIVAL 4
-// A kernel's blocks wait for each other (peer = this rank): a block never started, e.g. other
-// kernels held the SMs past timeout_ns.
-#define TIMEOUT_GRID_BARRIER 5
-
-#define STATE_EPOCH 0
-#define STATE_DONE 2
-// Done-counter slots, one per phase that ends in a signal (dispatch and redispatch share the
-// expand slot: calls of one backend are ordered, and the last block resets the counter).
-#define SLOT_REDISPATCH_SEND 0
-#define SLOT_DISPATCH_EXPAND 1
-#define SLOT_COMBINE_SEND 2
-#define SLOT_COMBINE_RECV 3
-#define SLOT_VALUES_SEND 4
-#define SLOT_VALUES_RECV 5
-#define SLOT_DISPATCH_META 6
-// Done-counters of dispatch's chunks: state[STATE_CHUNK_DONE + c], c < MAX_CHUNKS.
-#define STATE_CHUNK_DONE 16
+static_assert(TOPK >= 1 && TOPK <= MAX_TOPK, "TOPK must be in [1, MAX_TOPK] (one lane per column)");
 
 // ------------------------------------------------------------------------------ small helpers
 

@@ -53,8 +53,6 @@
 
 #include "common.cuh"
 
-#define DISPATCH_THREADS 512
-#define SEND_VPL 8          // 16-byte vectors per lane per unit in the send phase
 #define EXPAND_VPL 4        // small units: decode sizes have few rows to spread over the SMs
 #define LAYOUT_BATCH 8      // tiles whose metadata a warp loads before it ranks them
 
@@ -279,11 +277,115 @@ __device__ __forceinline__ void load_tile_batch(TileBatch& batch, const u32* met
     }
 }
 
+// Block-wide: the tokens T_s of every source (its count flag, at most M) into s_tokens [W], where
+// each source's rows start among the concatenated rows t < T_s into s_begin [W + 1] (s_begin[W]:
+// all of them), and zero per-warp counts s_count [warps * num_local_experts].
+__device__ __forceinline__ void load_slab_tokens(i32* s_tokens, i64* s_begin, i32* s_count, i64 base, int world,
+                                                 int max_tokens_per_rank, int count_words) {
+    for (int p = threadIdx.x; p < world; p += blockDim.x) {
+        const u64 count = ld_relaxed_sys(flag_at(base, world, CH_TO_DEST, FLAG_COUNT, p));
+        s_tokens[p] = count > static_cast<u64>(max_tokens_per_rank) ? max_tokens_per_rank : static_cast<int>(count);
+    }
+    for (int i = threadIdx.x; i < count_words; i += blockDim.x) s_count[i] = 0;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        i64 acc = 0;
+        for (int s = 0; s < world; ++s) {
+            s_begin[s] = acc;
+            acc += s_tokens[s];
+        }
+        s_begin[world] = acc;
+    }
+    __syncthreads();
+}
+
+// Warp-wide, pass 1 of the layout: the entries of the warp's tiles [tile_begin, tile_end) counted
+// per local expert into my_count [num_local_experts]; a warp with one batch keeps its entries in
+// `entries` for pass 2. Ends with __syncthreads().
+__device__ __forceinline__ void count_entries(TileBatch& entries, i32* my_count, const u32* meta, const i64* begin,
+                                              int world, int max_tokens_per_rank, int num_local_experts,
+                                              i64 tile_begin, i64 tile_end, i64 total_rows, bool one_batch) {
+    for (i64 tile0 = tile_begin; tile0 < tile_end; tile0 += LAYOUT_BATCH) {
+        load_tile_batch(entries, meta, begin, world, max_tokens_per_rank, num_local_experts, tile0, tile_end, total_rows, one_batch);
+#pragma unroll
+        for (int b = 0; b < LAYOUT_BATCH; ++b) {
+            if (tile0 + b >= tile_end) break;  // the warp's last batch may be short
+            // Counts need no order: a shared atomic per entry, not the warp-wide match of pass 2.
+            if (entries.ids[b] >= 0) atomicAdd(my_count + entries.ids[b], 1);
+        }
+    }
+    __syncthreads();
+}
+
+// Block-wide: s_count [warps][num_local_experts] becomes each warp's first rank per expert (an
+// exclusive prefix over warps), s_total [num_local_experts] the block's entries per expert.
+__device__ __forceinline__ void prefix_over_warps(i32* s_count, i32* s_total, int warps, int num_local_experts) {
+    for (int j = threadIdx.x; j < num_local_experts; j += blockDim.x) {
+        int run = 0;
+        for (int w = 0; w < warps; ++w) {
+            const int c = s_count[w * num_local_experts + j];
+            s_count[w * num_local_experts + j] = run;
+            run += c;
+        }
+        s_total[j] = run;
+    }
+    __syncthreads();
+}
+
+// Block-wide: s_before [num_local_experts] = the entries of the layout blocks before this one
+// (they hold the earlier tiles) and s_total = every block's. With several layout blocks each
+// publishes its counts in block_counts and waits for the others' behind a barrier; one block
+// (decode sizes) has them all already.
+__device__ __forceinline__ void gather_block_counts(i32* s_total, i32* s_before, int num_local_experts, int block,
+                                                    int blocks, i32* block_counts, u64* barrier_flags, u64 epoch,
+                                                    i64* status, int rank, i64 timeout_ns) {
+    if (blocks > 1) {
+        for (int j = threadIdx.x; j < num_local_experts; j += blockDim.x) block_counts[block * num_local_experts + j] = s_total[j];
+        blocks_barrier(barrier_flags, block, 0, blocks, epoch, status, rank, timeout_ns);
+        for (int j = threadIdx.x; j < num_local_experts; j += blockDim.x) {
+            int before = 0, total = 0;
+            for (int b = 0; b < blocks; ++b) {
+                const int c = ld_relaxed_gpu_i32(block_counts + b * num_local_experts + j);
+                before += b < block ? c : 0;
+                total += c;
+            }
+            s_before[j] = before;
+            s_total[j] = total;
+        }
+    } else {
+        for (int j = threadIdx.x; j < num_local_experts; j += blockDim.x) s_before[j] = 0;
+    }
+    __syncthreads();
+}
+
+// The layout blocks together: the entries of the rows t >= T_s of every slab s are empty.
+__device__ __forceinline__ void clear_empty_rows(const i32* s_tokens, int world, int max_tokens_per_rank, int block,
+                                                 int blocks, i32* recv_pos, float* recv_weight) {
+    for (int s = 0; s < world; ++s) {
+        const i64 begin = (static_cast<i64>(s) * max_tokens_per_rank + s_tokens[s]) * TOPK;
+        const i64 end = static_cast<i64>(s + 1) * max_tokens_per_rank * TOPK;
+        for (i64 i = begin + static_cast<i64>(block) * blockDim.x + threadIdx.x; i < end;
+             i += static_cast<i64>(blocks) * blockDim.x) {
+            recv_pos[i] = -1;
+            recv_weight[i] = 0.0f;
+        }
+    }
+}
+
+// Warp-wide: the warp's drops (count and smallest (s << 32 | t)) into the status word.
+__device__ __forceinline__ void report_drops(i64* status, i64 num_dropped, i64 first_dropped) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) num_dropped += __shfl_xor_sync(FULL_MASK, num_dropped, offset);
+    first_dropped = warp_min_i64(first_dropped);
+    if ((threadIdx.x & 31) == 0 && num_dropped != 0) status_add_offenders(status, STATUS_NUM_DROPPED, num_dropped, first_dropped);
+}
+
 // Block-wide, on `blocks` blocks (this one is number `block` of them), after every source's
 // metadata was acquired: the layout (see the top of this file). smem: (warps + 3) * num_local_experts
 // int32 of dynamic shared memory (per-warp counts, block totals, earlier blocks' counts, segment
 // starts). block_counts [blocks, num_local_experts] int32 and barrier_flags [blocks] u64 are local scratch
-// (flags start at 0).
+// (flags start at 0). Pass 2 and the segment scan stay inline here: as helpers they changed the
+// machine code (more registers for pass 2).
 __device__ __forceinline__ void layout_entries(i32* smem, i64 base, int rank, int world, int max_tokens_per_rank, u64 epoch,
                                                i64* status, i64 timeout_ns, i64 off_meta, int num_local_experts,
                                                int alignment, int capacity, int block, int blocks, i32* recv_pos,
@@ -299,21 +401,7 @@ __device__ __forceinline__ void layout_entries(i32* smem, i64 base, int rank, in
     i32* s_before = s_total + num_local_experts;           // [num_local_experts]: entries of the blocks before this one
     i32* s_start = s_before + num_local_experts;           // [num_local_experts]
 
-    for (int p = threadIdx.x; p < world; p += blockDim.x) {
-        const u64 count = ld_relaxed_sys(flag_at(base, world, CH_TO_DEST, FLAG_COUNT, p));
-        s_tokens[p] = count > static_cast<u64>(max_tokens_per_rank) ? max_tokens_per_rank : static_cast<int>(count);
-    }
-    for (int i = threadIdx.x; i < warps * num_local_experts; i += blockDim.x) s_count[i] = 0;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        i64 acc = 0;
-        for (int s = 0; s < world; ++s) {
-            s_begin[s] = acc;
-            acc += s_tokens[s];
-        }
-        s_begin[world] = acc;
-    }
-    __syncthreads();
+    load_slab_tokens(s_tokens, s_begin, s_count, base, world, max_tokens_per_rank, warps * num_local_experts);
 
     // Entries are taken in tiles of whole rows (32 / K rows, one lane per entry), and each warp
     // owns a contiguous range of tiles, so ranks follow the lexicographic (s, t, k) order.
@@ -332,53 +420,15 @@ __device__ __forceinline__ void layout_entries(i32* smem, i64 base, int rank, in
     const u32 row_lanes = TOPK == 32 ? FULL_MASK : ((1u << (TOPK & 31)) - 1u) << ((tile_row * TOPK) & 31);
     i32* my_count = s_count + warp * num_local_experts;
 
-    // Pass 1: per-warp counts per local expert. A warp with one batch (decode sizes) keeps its
-    // entries, weights too, in registers for pass 2: one round trip to the metadata fewer.
+    // Pass 1. A warp with one batch (decode sizes) keeps its entries, weights too, in registers
+    // for pass 2: one round trip to the metadata fewer.
     const bool one_batch = tile_end - tile_begin <= LAYOUT_BATCH;
     TileBatch entries;
-    for (i64 tile0 = tile_begin; tile0 < tile_end; tile0 += LAYOUT_BATCH) {
-        load_tile_batch(entries, meta, s_begin, world, max_tokens_per_rank, num_local_experts, tile0, tile_end, total_rows, one_batch);
-#pragma unroll
-        for (int b = 0; b < LAYOUT_BATCH; ++b) {
-            if (tile0 + b >= tile_end) break;  // the warp's last batch may be short
-            // Counts need no order: a shared atomic per entry, not the warp-wide match of pass 2.
-            if (entries.ids[b] >= 0) atomicAdd(my_count + entries.ids[b], 1);
-        }
-    }
-    __syncthreads();
-
-    // Exclusive prefix over warps (each warp's first rank per expert) and totals.
-    for (int j = threadIdx.x; j < num_local_experts; j += blockDim.x) {
-        int run = 0;
-        for (int w = 0; w < warps; ++w) {
-            const int c = s_count[w * num_local_experts + j];
-            s_count[w * num_local_experts + j] = run;
-            run += c;
-        }
-        s_total[j] = run;
-    }
-    __syncthreads();
-
-    // With several layout blocks: publish this block's counts, wait for every block's, and take
-    // the entries of the blocks before this one (they hold the earlier tiles) and every block's
-    // totals. One block (decode sizes) has them all already.
-    if (blocks > 1) {
-        for (int j = threadIdx.x; j < num_local_experts; j += blockDim.x) block_counts[block * num_local_experts + j] = s_total[j];
-        blocks_barrier(barrier_flags, block, 0, blocks, epoch, status, rank, timeout_ns);
-        for (int j = threadIdx.x; j < num_local_experts; j += blockDim.x) {
-            int before = 0, total = 0;
-            for (int b = 0; b < blocks; ++b) {
-                const int c = ld_relaxed_gpu_i32(block_counts + b * num_local_experts + j);
-                before += b < block ? c : 0;
-                total += c;
-            }
-            s_before[j] = before;
-            s_total[j] = total;
-        }
-    } else {
-        for (int j = threadIdx.x; j < num_local_experts; j += blockDim.x) s_before[j] = 0;
-    }
-    __syncthreads();
+    count_entries(entries, my_count, meta, s_begin, world, max_tokens_per_rank, num_local_experts, tile_begin, tile_end,
+                  total_rows, one_batch);
+    prefix_over_warps(s_count, s_total, warps, num_local_experts);
+    gather_block_counts(s_total, s_before, num_local_experts, block, blocks, block_counts, barrier_flags, epoch, status,
+                        rank, timeout_ns);
 
     // Kept counts, aligned segments and their cumulative ends.
     block_inclusive_scan(num_local_experts, [&](int j) {
@@ -430,21 +480,8 @@ __device__ __forceinline__ void layout_entries(i32* smem, i64 base, int rank, in
         }
     }
 
-    // Rows t >= T_s of every slab are empty.
-    for (int s = 0; s < world; ++s) {
-        const i64 begin = (static_cast<i64>(s) * max_tokens_per_rank + s_tokens[s]) * TOPK;
-        const i64 end = static_cast<i64>(s + 1) * max_tokens_per_rank * TOPK;
-        for (i64 i = begin + static_cast<i64>(block) * blockDim.x + threadIdx.x; i < end;
-             i += static_cast<i64>(blocks) * blockDim.x) {
-            recv_pos[i] = -1;
-            recv_weight[i] = 0.0f;
-        }
-    }
-
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) num_dropped += __shfl_xor_sync(FULL_MASK, num_dropped, offset);
-    first_dropped = warp_min_i64(first_dropped);
-    if (lane == 0 && num_dropped != 0) status_add_offenders(status, STATUS_NUM_DROPPED, num_dropped, first_dropped);
+    clear_empty_rows(s_tokens, world, max_tokens_per_rank, block, blocks, recv_pos, recv_weight);
+    report_drops(status, num_dropped, first_dropped);
 }
 
 // ----------------------------------------------------------------------------- expand phase

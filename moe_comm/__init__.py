@@ -4,8 +4,9 @@ The names users need live here; everything else is in the submodules.
 """
 
 from .config import Config, load_config
-from .dispatcher import Dispatcher, DispatchHandle, DispatchOutput, StatusReport
+from .dispatcher import Dispatcher, DispatchHandle, DispatchOutput
 from .layer import MoELayer, MoEWeights
+from .protocol import StatusReport
 from .errors import (
     BackendError,
     CommTimeoutError,

@@ -100,15 +100,15 @@ def _probe_vmm() -> tuple[bool, str]:
     count = _cuda_count()
     if count == 0:
         return False, _no_cuda_reason()
-    from . import jit
+    from .driver import cu_check, cuda_driver
 
-    driver = jit.cuda_driver()  # BackendError if cuda-bindings or libcuda cannot be loaded
+    driver = cuda_driver()  # BackendError if cuda-bindings or libcuda cannot be loaded
     attr = driver.CUdevice_attribute
     for index in range(count):
-        device = jit.cu_check(driver.cuDeviceGet(index), f"cuDeviceGet({index})")
+        device = cu_check(driver.cuDeviceGet(index), f"cuDeviceGet({index})")
         for name in ("CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED",
                      "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED"):
-            if not jit.cu_check(driver.cuDeviceGetAttribute(getattr(attr, name), device), name):
+            if not cu_check(driver.cuDeviceGetAttribute(getattr(attr, name), device), name):
                 return False, f"GPU {index} does not support {name[len('CU_DEVICE_ATTRIBUTE_'):]}"
     if count == 1:
         return True, "1 GPU: ranks share it (no peer GPU to reach)"

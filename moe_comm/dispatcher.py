@@ -11,13 +11,14 @@ import torch.distributed as dist
 
 from . import ops, protocol
 from .agreement import agree
+from .protocol import StatusReport
 from .routing import Routing
 from .autograd import combine_with_grad, dispatch_with_grad
 from .backends import host_identity, resolve_backend
 from .config import Config
 from .errors import ConfigError, DeviceStatusError, InputError, MoeCommError
 
-__all__ = ["Dispatcher", "DispatchOutput", "DispatchHandle", "StatusReport"]
+__all__ = ["Dispatcher", "DispatchOutput", "DispatchHandle"]
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _dispatcher_ids = itertools.count()
@@ -55,35 +56,6 @@ class DispatchOutput:
     expert_offsets: torch.Tensor
     tokens_per_expert: torch.Tensor
     handle: DispatchHandle
-
-
-@dataclass(frozen=True)
-class StatusReport:
-    """The device status word read on the host.
-
-    num_invalid: assignments with an expert id outside ``[0, num_experts)`` other than -1.
-    first_invalid: ``(source rank, token)`` of the first one, or None.
-    num_dropped: assignments dropped because their expert was over ``expert_capacity``.
-    first_dropped: ``(source rank, token)`` of the first one, or None.
-    timeout_phase: name of the first wait that timed out, or None. timeout_peer: its peer
-        (None also when the transport cannot tell which peer is missing: a collective with more than two ranks).
-    """
-
-    num_invalid: int
-    first_invalid: Optional[tuple[int, int]]
-    num_dropped: int
-    first_dropped: Optional[tuple[int, int]]
-    timeout_phase: Optional[str]
-    timeout_peer: Optional[int]
-
-    @property
-    def ok(self) -> bool:
-        """True when nothing was recorded."""
-        return not (self.num_invalid or self.num_dropped or self.timeout_phase)
-
-
-def _offender(key: int) -> Optional[tuple[int, int]]:
-    return None if key == protocol.NO_OFFENDER else (key >> 32, key & 0xFFFFFFFF)
 
 
 def _describe(name: str, tensor: torch.Tensor) -> str:
@@ -279,16 +251,7 @@ class Dispatcher:
         if stalled is not None:
             phase, peer = stalled
             return StatusReport(0, None, 0, None, timeout_phase=phase, timeout_peer=peer)
-        values = backend.status.tolist()
-        phase = values[protocol.STATUS_TIMEOUT_PHASE]
-        return StatusReport(
-            num_invalid=values[protocol.STATUS_NUM_INVALID],
-            first_invalid=_offender(values[protocol.STATUS_FIRST_INVALID]),
-            num_dropped=values[protocol.STATUS_NUM_DROPPED],
-            first_dropped=_offender(values[protocol.STATUS_FIRST_DROPPED]),
-            timeout_phase=protocol.TIMEOUT_PHASES.get(phase, f"phase {phase}") if phase else None,
-            timeout_peer=values[protocol.STATUS_TIMEOUT_PEER] if phase else None,
-        )
+        return protocol.decode_status(backend.status.tolist())
 
     def check(self) -> None:
         """Raise :class:`DeviceStatusError` if any call since the last check recorded a fault; then clear the status.

@@ -29,7 +29,7 @@ class ConfigError(MoeCommError, ValueError):
 
 
 class InputError(MoeCommError, ValueError):
-    """A tensor handed to dispatch/combine has the wrong dtype, shape, device or layout."""
+    """A tensor handed to dispatch/combine has the wrong dtype, shape, device or strides (not contiguous)."""
 
 
 class BackendError(MoeCommError, RuntimeError):

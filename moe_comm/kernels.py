@@ -3,15 +3,13 @@
 ``DispatchKernels`` launches ``csrc/dispatch.cu`` (``dispatch``, ``redispatch``) and
 ``CombineKernels`` launches ``csrc/combine.cu`` (``combine``, ``values_send``, ``values_recv``):
 one launch per dispatch, redispatch or combine. The protocol each kernel follows is stated at
-the top of its ``.cu`` file. Both classes load every entry point in their
-constructor (compiling it through :mod:`moe_comm.jit` when it is not cached), so a launcher
-never compiles or loads anything: it fills the per-call parameters of its kernel's
-:class:`moe_comm.jit.KernelParams` (the fixed ones were set once) and calls ``cuLaunchKernel`` on
-torch's current stream, which works eagerly and under CUDA-graph capture alike.
-
-This module also holds what the Python side and the kernels must agree on, mirrored in
-``csrc/common.cuh``: the regions of the symmetric allocation (:class:`SymmetricRegions`), the
-local state words (the timeout phase codes of the status word are ``protocol.TIMEOUT_PHASES``).
+the top of its ``.cu`` file; the values it shares with this module (block shapes, chunk and layout
+sizes, the symmetric regions) are :mod:`moe_comm.protocol`'s. Both classes load every entry point
+in their constructor (compiling it through :mod:`moe_comm.jit` and loading it through
+:mod:`moe_comm.driver` when it is not cached), so a launcher never compiles or loads anything: it
+fills the per-call parameters of its kernel's :class:`moe_comm.kernel_params.KernelParams` (the
+fixed ones were set once) and calls ``cuLaunchKernel`` on torch's current stream, which works
+eagerly and under CUDA-graph capture alike.
 """
 
 from __future__ import annotations
@@ -22,55 +20,22 @@ from typing import Optional
 
 import torch
 
-from . import jit
+from . import driver, jit, protocol
+from .kernel_params import kernel_params
 from .errors import BackendError
 
 __all__ = [
-    "MAX_WORLD_SIZE",
-    "MAX_TOPK",
-    "STATE_WORDS",
-    "SymmetricRegions",
     "CommArgs",
     "kernel_defines",
     "DispatchKernels",
     "CombineKernels",
 ]
 
-MAX_WORLD_SIZE = 64  # csrc/common.cuh MAX_WORLD: destination sets are 64-bit masks
-MAX_TOPK = 32        # one lane per column of topk_idx
-
-# Local (non-symmetric) state, u64 words (csrc/common.cuh STATE_*): [0 + channel] epoch of the
-# last completed operation on the channel, [2 + slot] done-counters of the last-block pattern,
-# [16 + c] those of dispatch's row chunks.
-STATE_WORDS = 32
-
-_CHANNELS = 2
-# Dispatch's rows land in up to _MAX_CHUNKS chunks (csrc MAX_CHUNKS), each of at least
-# _MIN_CHUNK_TOKENS tokens (every chunk costs each sending block a system fence).
-_MAX_CHUNKS = 4
-_MIN_CHUNK_TOKENS = 256
-_FLAG_KINDS = 4 + _MAX_CHUNKS  # arrival, count, ack, metadata, then one per chunk
-_ALIGN = 256
-
-# Block shapes (csrc: *_THREADS, which must match) and the send phase's vectors per lane per unit
-# (csrc SEND_VPL: a mismatch only changes how many blocks send, never a result).
-_DISPATCH_THREADS = 512
-_SEND_VPL = 8
-_COMBINE_THREADS = 512
-_VALUES_THREADS = 512
-_LAYOUT_ROWS_PER_BLOCK = 256
-# Dynamic shared memory the layout phase may use (H100/H200 allow 227 KiB per block).
-_LAYOUT_SHARED_LIMIT = 200 * 1024
-
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int
 _L = ctypes.c_longlong
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -97,65 +62,11 @@ def kernel_defines(dtype: torch.dtype, hidden: int, topk: int, *, put_transport:
 
 
 @dataclass(frozen=True)
-class SymmetricRegions:
-    """Byte offsets of the regions of one rank's symmetric allocation (the same on every rank).
-
-    ``W`` ranks, ``M = max_tokens_per_rank``, ``K = topk``, rows of ``row_bytes``; every region starts at a
-    multiple of 256 bytes.
-
-    * ``flags``    u64 ``[2 channels][4 + 4 kinds][W]`` at offset 0: arrival (written by the sender),
-      count (the sender's T), ack (written by the receiver into the sender's memory), metadata
-      (dispatch: the sender's metadata rows and count have landed; its rows may still be in flight),
-      then one per chunk of dispatch's rows (chunk ``c`` of the sender's rows has landed).
-    * ``meta``     u32 ``[W, M, meta_words]``: slab ``s`` written by source ``s`` in dispatch: K local
-      expert ids (-1 none), then K float32 weights, padded to a multiple of 4 words.
-    * ``ret_vals`` f32 ``[W, M, K]``: slab ``r`` written by destination ``r`` (return_entry_values).
-    * ``recv_x``   ``[W, M, row]``: slab ``s`` written by source ``s`` (dispatch, redispatch).
-    * ``ret_x``    ``[W, M, row]``: slab ``r`` written by destination ``r`` (combine partials).
-    * ``stage_x``  ``[W, M, row]``, only with ``put_transport``: this rank's partials
-      for source ``s`` before NVSHMEM puts them (NVSHMEM moves symmetric memory only); else size 0.
-    """
-
-    world_size: int
-    max_tokens_per_rank: int
-    topk: int
-    row_bytes: int
-    meta_words: int
-    flags_offset: int
-    meta_offset: int
-    ret_vals_offset: int
-    recv_x_offset: int
-    ret_x_offset: int
-    stage_x_offset: int
-    nbytes: int
-
-    @classmethod
-    def plan(
-        cls, world_size: int, max_tokens_per_rank: int, topk: int, row_bytes: int, *, put_transport: bool = False
-    ) -> "SymmetricRegions":
-        meta_words = _round_up(2 * topk, 4)
-        slab_rows = world_size * max_tokens_per_rank
-        offset = 0
-        regions = []
-        for size in (
-            _CHANNELS * _FLAG_KINDS * world_size * 8,
-            slab_rows * meta_words * 4,
-            slab_rows * topk * 4,
-            slab_rows * row_bytes,
-            slab_rows * row_bytes,
-            slab_rows * row_bytes if put_transport else 0,
-        ):
-            regions.append(offset)
-            offset = _round_up(offset + size, _ALIGN)
-        return cls(world_size, max_tokens_per_rank, topk, row_bytes, meta_words, *regions, nbytes=offset)
-
-
-@dataclass(frozen=True)
 class CommArgs:
     """The leading arguments of every kernel: who we are and where the shared state lives.
 
     peers_ptr: device address of the int64 ``[W]`` peer base addresses; state_ptr: the local u64
-    ``[STATE_WORDS]``; status_ptr: the int64 status word; timeout_ns: bound of every wait.
+    ``[protocol.STATE_WORDS]``; status_ptr: the int64 status word; timeout_ns: bound of every wait.
     """
 
     peers_ptr: int
@@ -200,7 +111,7 @@ class DispatchKernels:
         device: torch.device,
         defines: dict,
         args: CommArgs,
-        regions: SymmetricRegions,
+        regions: protocol.SymmetricRegions,
         *,
         num_experts: int,
         num_local_experts: int,
@@ -212,29 +123,30 @@ class DispatchKernels:
         toolchain: jit.Toolchain = jit.Toolchain(),
     ) -> None:
         # The layout phase keeps per-warp counters of every local expert in shared memory.
-        self._shared = (_DISPATCH_THREADS // 32 + 3) * num_local_experts * 4
-        if self._shared > _LAYOUT_SHARED_LIMIT:
+        self._shared = (protocol.DISPATCH_THREADS // 32 + 3) * num_local_experts * 4
+        if self._shared > protocol.LAYOUT_SHARED_LIMIT:
             raise BackendError(
                 f"num_local_experts={num_local_experts} is too many for the dispatch kernel's shared memory "
-                f"({self._shared} B > {_LAYOUT_SHARED_LIMIT} B); use more ranks or fewer experts"
+                f"({self._shared} B > {protocol.LAYOUT_SHARED_LIMIT} B); use more ranks or fewer experts"
             )
-        load = lambda entry: jit.load_function(device, "dispatch", entry, defines, toolchain=toolchain)  # noqa: E731
+        load = lambda entry: driver.load_function(device, "dispatch", entry, defines, toolchain=toolchain)  # noqa: E731
         self._dispatch = load("dispatch")
         self._redispatch = load("redispatch")
         self._grid = device_sms
         self._num_sms = min(num_sms, device_sms)
-        self._send_parts = _parts_per_row(regions.row_bytes, _SEND_VPL)
+        self._send_parts = _parts_per_row(regions.row_bytes, protocol.SEND_VPL)
         prefix = args.prefix()
 
-        # About _LAYOUT_ROWS_PER_BLOCK slab rows per layout block; the layout blocks publish their
+        # About LAYOUT_ROWS_PER_BLOCK slab rows per layout block; the layout blocks publish their
         # per-expert counts in local scratch, and blocks stamp barriers in barrier_flags [2, grid].
-        self._layout_blocks = max(1, min(self._grid, _cdiv(args.world_size * args.max_tokens_per_rank, _LAYOUT_ROWS_PER_BLOCK)))
+        slab_rows = args.world_size * args.max_tokens_per_rank
+        self._layout_blocks = max(1, min(self._grid, _cdiv(slab_rows, protocol.LAYOUT_ROWS_PER_BLOCK)))
         self._block_counts = torch.zeros((self._layout_blocks, num_local_experts), dtype=torch.int32, device=device)
         self._grid_flags = torch.zeros(2 * self._grid, dtype=torch.int64, device=device)
         capacity = 2**31 - 1 if expert_capacity is None else min(int(expert_capacity), 2**31 - 1)
-        chunk_tokens = max(_MIN_CHUNK_TOKENS, _cdiv(args.max_tokens_per_rank, _MAX_CHUNKS))
+        chunk_tokens = max(protocol.MIN_CHUNK_TOKENS, _cdiv(args.max_tokens_per_rank, protocol.MAX_CHUNKS))
         # Each kernel's parameters: the ones fixed for this backend first, then the per-call ones.
-        self._dispatch_params = jit.kernel_params(
+        self._dispatch_params = kernel_params(
             prefix + (
                 (regions.meta_offset, _L), (regions.recv_x_offset, _L), (num_experts, _I), (chunk_tokens, _I),
                 (num_local_experts, _I), (expert_alignment, _I), (capacity, _I),
@@ -242,13 +154,13 @@ class DispatchKernels:
             ),
             (_I, _I, _P, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _P),
         )
-        self._redispatch_params = jit.kernel_params(
+        self._redispatch_params = kernel_params(
             prefix + ((regions.recv_x_offset, _L), (capacity_rows, _I)), (_I, _P, _I, _P, _P, _P)
         )
 
     def _senders(self, num_tokens: int) -> int:
         """Blocks that push rows: at most ``num_sms``, no more than the tokens' units need."""
-        return max(1, min(self._num_sms, _cdiv(num_tokens * self._send_parts, _DISPATCH_THREADS // 32)))
+        return max(1, min(self._num_sms, _cdiv(num_tokens * self._send_parts, protocol.DISPATCH_THREADS // 32)))
 
     def dispatch(
         self,
@@ -277,7 +189,7 @@ class DispatchKernels:
             topk_weights.data_ptr(), num_tokens, send_mask.data_ptr(), dest_rank.data_ptr(), recv_pos.data_ptr(),
             recv_weight.data_ptr(), expert_offsets.data_ptr(), tokens_per_expert.data_ptr(), out_x.data_ptr(),
         ))
-        self._dispatch.launch(self._grid, _DISPATCH_THREADS, params, shared_bytes=self._shared)
+        self._dispatch.launch(self._grid, protocol.DISPATCH_THREADS, params, shared_bytes=self._shared)
 
     def redispatch(self, x: torch.Tensor, send_mask: torch.Tensor, recv_pos: torch.Tensor, out_x: torch.Tensor) -> None:
         """Rows only, along an existing routing: row ``t`` of ``x [T, H]`` to every rank ``r`` with
@@ -287,7 +199,7 @@ class DispatchKernels:
             self._senders(num_tokens), x.data_ptr(), num_tokens, send_mask.data_ptr(), recv_pos.data_ptr(),
             out_x.data_ptr(),
         ))
-        self._redispatch.launch(self._grid, _DISPATCH_THREADS, params)
+        self._redispatch.launch(self._grid, protocol.DISPATCH_THREADS, params)
 
 
 class CombineKernels:
@@ -307,14 +219,14 @@ class CombineKernels:
         device: torch.device,
         defines: dict,
         args: CommArgs,
-        regions: SymmetricRegions,
+        regions: protocol.SymmetricRegions,
         *,
         capacity_rows: int,
         num_sms: int,
         device_sms: int,
         toolchain: jit.Toolchain = jit.Toolchain(),
     ) -> None:
-        load = lambda entry: jit.load_function(device, "combine", entry, defines, toolchain=toolchain)  # noqa: E731
+        load = lambda entry: driver.load_function(device, "combine", entry, defines, toolchain=toolchain)  # noqa: E731
         self._combine = load("combine")
         self._values_send = load("values_send")
         self._values_recv = load("values_recv")
@@ -323,12 +235,12 @@ class CombineKernels:
         self._grid = device_sms
         prefix = args.prefix()
         rows = args.world_size * args.max_tokens_per_rank
-        self._combine_params = jit.kernel_params(
+        self._combine_params = kernel_params(
             prefix + ((regions.ret_x_offset, _L), (regions.stage_x_offset, _L), (capacity_rows, _I)),
             (_P, _P, _P, _I, _P, _I, _P),
         )
         self._capacity = ((capacity_rows, _I),)
-        self._values_send_grid = max(1, min(num_sms, _cdiv(rows * regions.topk, _VALUES_THREADS)))
+        self._values_send_grid = max(1, min(num_sms, _cdiv(rows * regions.topk, protocol.VALUES_THREADS)))
         self._values_send_const = prefix + ((regions.ret_vals_offset, _L),)
         self._values_recv_const = prefix + ((regions.ret_vals_offset, _L),)
 
@@ -342,22 +254,22 @@ class CombineKernels:
             y.data_ptr(), recv_pos.data_ptr(), recv_weight.data_ptr(), 1 if weighted else 0, send_mask.data_ptr(),
             z.shape[0], z.data_ptr(),
         ))
-        self._combine.launch(self._grid, _COMBINE_THREADS, params)
+        self._combine.launch(self._grid, protocol.COMBINE_THREADS, params)
 
     def values_send(self, row_vector: torch.Tensor, recv_pos: torch.Tensor) -> None:
         """Destination side: ``row_vector [capacity_rows]`` float32, read per entry, to each entry's source."""
         self._values_send.launch(
             self._values_send_grid,
-            _VALUES_THREADS,
+            protocol.VALUES_THREADS,
             self._values_send_const + ((row_vector.data_ptr(), _P),) + self._capacity + ((recv_pos.data_ptr(), _P),),
         )
 
     def values_recv(self, dest_rank: torch.Tensor, out: torch.Tensor) -> None:
         """Source side: ``out [T, K]`` float32, each assignment's value from its destination (0 if none)."""
         num_tokens = dest_rank.shape[0]
-        grid = max(1, min(self._num_sms, _cdiv(num_tokens * self._topk, _VALUES_THREADS)))
+        grid = max(1, min(self._num_sms, _cdiv(num_tokens * self._topk, protocol.VALUES_THREADS)))
         self._values_recv.launch(
             grid,
-            _VALUES_THREADS,
+            protocol.VALUES_THREADS,
             self._values_recv_const + ((dest_rank.data_ptr(), _P), (num_tokens, _I), (out.data_ptr(), _P)),
         )

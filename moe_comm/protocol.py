@@ -1,46 +1,278 @@
-"""What the Python side and the CUDA kernels share: the device status word and its decoding.
+"""What the Python side and the CUDA kernels share: every value both must agree on, in one place.
 
-One module owns every value that both sides must agree on; the kernels get them from here.
+The kernels never spell these values out: :func:`cuda_header` writes them as the ``#define`` lines
+of ``protocol.cuh``, which :mod:`moe_comm.jit` hands to NVRTC next to ``csrc/*.cuh`` (and hashes
+into the cache key, so a changed value recompiles). A value only the kernels use stays in ``csrc``.
+
+The module holds, in this order: the status word and its decoding (:class:`StatusReport`,
+:func:`decode_status`), the channels, flag kinds and timeout phases of the peer protocol, the
+local state words, the limits and block shapes both sides size work with, and the regions of the
+symmetric allocation (:class:`SymmetricRegions`). The regions live here rather than with the
+launchers because they are the memory layout both sides index: the flags region is
+``[CHANNELS][FLAG_KINDS][W]`` (``flag_at`` in ``csrc/common.cuh``) and a metadata row is
+``meta_words(K)`` words (``META_WORDS``), so every number that sizes them is defined here.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
 import torch
 
 __all__ = [
-    "STATUS_FIELDS",
     "STATUS_NUM_INVALID",
     "STATUS_FIRST_INVALID",
     "STATUS_NUM_DROPPED",
     "STATUS_FIRST_DROPPED",
     "STATUS_TIMEOUT_PHASE",
     "STATUS_TIMEOUT_PEER",
+    "STATUS_FIELDS",
     "NO_OFFENDER",
+    "CH_TO_DEST",
+    "CH_TO_SOURCE",
+    "CHANNELS",
+    "FLAG_ARRIVAL",
+    "FLAG_COUNT",
+    "FLAG_ACK",
+    "FLAG_META",
+    "FLAG_CHUNK",
+    "MAX_CHUNKS",
+    "FLAG_KINDS",
+    "MIN_CHUNK_TOKENS",
+    "TIMEOUT_TO_DEST_ACK",
+    "TIMEOUT_TO_DEST_ARRIVAL",
+    "TIMEOUT_TO_SOURCE_ACK",
+    "TIMEOUT_TO_SOURCE_ARRIVAL",
+    "TIMEOUT_GRID_BARRIER",
     "TIMEOUT_PHASES",
+    "STATE_EPOCH",
+    "STATE_DONE",
+    "STATE_CHUNK_DONE",
+    "STATE_WORDS",
+    "SLOT_REDISPATCH_SEND",
+    "SLOT_DISPATCH_EXPAND",
+    "SLOT_COMBINE_SEND",
+    "SLOT_COMBINE_RECV",
+    "SLOT_VALUES_SEND",
+    "SLOT_VALUES_RECV",
+    "SLOT_DISPATCH_META",
+    "MAX_WORLD",
+    "MAX_TOPK",
+    "META_WORD_MULTIPLE",
+    "REGION_ALIGN",
+    "DISPATCH_THREADS",
+    "SEND_VPL",
+    "COMBINE_THREADS",
+    "VALUES_THREADS",
+    "LAYOUT_ROWS_PER_BLOCK",
+    "LAYOUT_SHARED_LIMIT",
+    "StatusReport",
+    "SymmetricRegions",
+    "cuda_header",
+    "decode_status",
+    "meta_words",
     "new_status",
 ]
 
-# Layout of the device status word: int64 [STATUS_FIELDS] on the dispatcher's device.
-# The "first" fields hold the smallest ``(rank << 32) | token`` seen, NO_OFFENDER if none.
+# ---------------------------------------------------------------------------------- status word
+
+# Fields of the device status word, int64 [STATUS_FIELDS] on the dispatcher's device. The
+# "first" fields hold the smallest ``(rank << 32) | token`` seen, NO_OFFENDER if none.
 STATUS_NUM_INVALID = 0     # assignments whose expert id was neither -1 nor in [0, E)
 STATUS_FIRST_INVALID = 1   # (source rank, token) of the first invalid assignment
 STATUS_NUM_DROPPED = 2     # assignments dropped because their expert was over capacity
 STATUS_FIRST_DROPPED = 3   # (source rank, token) of the first dropped assignment
-STATUS_TIMEOUT_PHASE = 4   # phase code of the first wait that timed out (0: none)
+STATUS_TIMEOUT_PHASE = 4   # phase code (TIMEOUT_*) of the first wait that timed out, 0 if none
 STATUS_TIMEOUT_PEER = 5    # the peer that wait was waiting for
 STATUS_FIELDS = 6
 NO_OFFENDER = (1 << 63) - 1
 
-# Phase codes of ``status[STATUS_TIMEOUT_PHASE]`` (mirrored in csrc/common.cuh: TIMEOUT_*). Channel 0
-# carries dispatch and redispatch, channel 1 combine and return_entry_values.
+# ---------------------------------------------------------------------------- channels and flags
+
+# A channel is one direction of traffic with its own flags and epoch.
+CH_TO_DEST = 0     # dispatch, redispatch: source -> destination
+CH_TO_SOURCE = 1   # combine, return_entry_values: destination -> source
+CHANNELS = 2
+
+# Flag kinds, u64 flags[channel][kind][peer] at offset 0 of every rank's symmetric allocation.
+FLAG_ARRIVAL = 0   # written by sender `peer`: its data of this epoch has landed
+FLAG_COUNT = 1     # the T of sender `peer`
+FLAG_ACK = 2       # written by receiver `peer` once it finished reading what this rank sent it
+FLAG_META = 3      # dispatch: sender `peer`'s metadata rows and count have landed
+FLAG_CHUNK = 4     # FLAG_CHUNK + c: chunk c of dispatch's rows from sender `peer` has landed
+# Dispatch's rows land in up to MAX_CHUNKS chunks, each of at least MIN_CHUNK_TOKENS tokens
+# (every chunk costs each sending block a system fence).
+MAX_CHUNKS = 4
+MIN_CHUNK_TOKENS = 256
+FLAG_KINDS = FLAG_CHUNK + MAX_CHUNKS
+
+# Phase codes of status[STATUS_TIMEOUT_PHASE]: 1 + 2 * channel while waiting for a peer's ack
+# (its slab is still being read), 2 + 2 * channel while waiting for a peer's arrival.
+TIMEOUT_TO_DEST_ACK = 1
+TIMEOUT_TO_DEST_ARRIVAL = 2
+TIMEOUT_TO_SOURCE_ACK = 3
+TIMEOUT_TO_SOURCE_ARRIVAL = 4
+# A kernel's blocks wait for each other (peer = this rank): a block never started, e.g. other
+# kernels held the SMs past timeout_ns.
+TIMEOUT_GRID_BARRIER = 5
+
 TIMEOUT_PHASES = {
-    1: "dispatch: waiting for a peer to free its receive slab",
-    2: "dispatch: waiting for a peer's tokens",
-    3: "combine: waiting for a peer to free its return slab",
-    4: "combine: waiting for a peer's partial sums",
-    5: "a kernel's blocks waiting for each other (other kernels held the SMs?)",
+    TIMEOUT_TO_DEST_ACK: "dispatch: waiting for a peer to free its receive slab",
+    TIMEOUT_TO_DEST_ARRIVAL: "dispatch: waiting for a peer's tokens",
+    TIMEOUT_TO_SOURCE_ACK: "combine: waiting for a peer to free its return slab",
+    TIMEOUT_TO_SOURCE_ARRIVAL: "combine: waiting for a peer's partial sums",
+    TIMEOUT_GRID_BARRIER: "a kernel's blocks waiting for each other (other kernels held the SMs?)",
 }
 
+# ---------------------------------------------------------------------------------- state words
+
+# Local (not symmetric) state, u64 [STATE_WORDS] per backend: state[STATE_EPOCH + channel] is the
+# epoch of the last completed call on the channel, state[STATE_DONE + slot] the done-counter of
+# the last-block pattern of a phase, state[STATE_CHUNK_DONE + c] (c < MAX_CHUNKS) that of
+# dispatch's chunk c.
+STATE_EPOCH = 0
+STATE_DONE = 2
+STATE_CHUNK_DONE = 16
+STATE_WORDS = 32
+
+# Done-counter slots, one per phase that ends in a signal (dispatch and redispatch share the
+# expand slot: calls of one backend are ordered, and the last block resets the counter).
+SLOT_REDISPATCH_SEND = 0
+SLOT_DISPATCH_EXPAND = 1
+SLOT_COMBINE_SEND = 2
+SLOT_COMBINE_RECV = 3
+SLOT_VALUES_SEND = 4
+SLOT_VALUES_RECV = 5
+SLOT_DISPATCH_META = 6
+
+# ------------------------------------------------------------------------------------- limits
+
+MAX_WORLD = 64   # ranks: destination sets are 64-bit masks, peer bases live in shared memory
+MAX_TOPK = 32    # columns of topk_idx: one lane per column
+# A dispatch metadata row is K local expert ids (int32, -1 = none) then K weights (float32 bits),
+# padded to a multiple of META_WORD_MULTIPLE words so rows stay 16-byte aligned (meta_words).
+META_WORD_MULTIPLE = 4
+REGION_ALIGN = 256   # bytes: every region of the symmetric allocation starts at a multiple
+# Dynamic shared memory the dispatch kernel's layout phase may use (H100/H200 allow 227 KiB per block).
+LAYOUT_SHARED_LIMIT = 200 * 1024
+
+# -------------------------------------------------------------------------------- block shapes
+
+# Threads per block of each kernel (their __launch_bounds__), and the send phase's 16-byte vectors
+# per lane per unit, which fix how many warps share a row (a mismatch with the grid the host picks
+# only changes how many blocks send, never a result).
+DISPATCH_THREADS = 512
+SEND_VPL = 8
+COMBINE_THREADS = 512
+VALUES_THREADS = 512
+# Slab rows per layout block of dispatch (the host picks the number of layout blocks from it).
+LAYOUT_ROWS_PER_BLOCK = 256
+
+
+def meta_words(topk: int) -> int:
+    """Words (u32) of one dispatch metadata row for top-``topk`` (``META_WORDS`` in the kernels)."""
+    return -(-2 * topk // META_WORD_MULTIPLE) * META_WORD_MULTIPLE
+
+
+# ------------------------------------------------------------------------------ the CUDA header
+
+# protocol.cuh, group by group: (comment, names). Every name of __all__ that is an int is here.
+_HEADER_GROUPS = (
+    ("Status word: int64 [STATUS_FIELDS]; the first-offender fields hold the smallest (rank << 32 | token)",
+     ("STATUS_NUM_INVALID", "STATUS_FIRST_INVALID", "STATUS_NUM_DROPPED", "STATUS_FIRST_DROPPED",
+      "STATUS_TIMEOUT_PHASE", "STATUS_TIMEOUT_PEER", "STATUS_FIELDS", "NO_OFFENDER")),
+    ("Channels: CH_TO_DEST carries dispatch and redispatch, CH_TO_SOURCE combine and the values kernels",
+     ("CH_TO_DEST", "CH_TO_SOURCE", "CHANNELS")),
+    ("Flag kinds of flags[channel][kind][peer]; FLAG_CHUNK + c is chunk c of dispatch's rows",
+     ("FLAG_ARRIVAL", "FLAG_COUNT", "FLAG_ACK", "FLAG_META", "FLAG_CHUNK", "MAX_CHUNKS", "FLAG_KINDS",
+      "MIN_CHUNK_TOKENS")),
+    ("Timeout phases of status[STATUS_TIMEOUT_PHASE]: 1 + 2 * channel waits for an ack, 2 + 2 * channel "
+     "for an arrival",
+     ("TIMEOUT_TO_DEST_ACK", "TIMEOUT_TO_DEST_ARRIVAL", "TIMEOUT_TO_SOURCE_ACK", "TIMEOUT_TO_SOURCE_ARRIVAL",
+      "TIMEOUT_GRID_BARRIER")),
+    ("Local state, u64 [STATE_WORDS]: epochs per channel, done-counters per slot, then per chunk",
+     ("STATE_EPOCH", "STATE_DONE", "STATE_CHUNK_DONE", "STATE_WORDS")),
+    ("Done-counter slots: state[STATE_DONE + slot]",
+     ("SLOT_REDISPATCH_SEND", "SLOT_DISPATCH_EXPAND", "SLOT_COMBINE_SEND", "SLOT_COMBINE_RECV",
+      "SLOT_VALUES_SEND", "SLOT_VALUES_RECV", "SLOT_DISPATCH_META")),
+    ("Limits",
+     ("MAX_WORLD", "MAX_TOPK", "META_WORD_MULTIPLE", "REGION_ALIGN", "LAYOUT_SHARED_LIMIT")),
+    ("Block shapes: threads per block, the send phase's vectors per lane per unit, slab rows per layout block",
+     ("DISPATCH_THREADS", "SEND_VPL", "COMBINE_THREADS", "VALUES_THREADS", "LAYOUT_ROWS_PER_BLOCK")),
+)
+
+# The C spelling of meta_words(TOPK): TOPK is a compile-time define of every kernel build.
+_META_WORDS_C = "((2 * TOPK + META_WORD_MULTIPLE - 1) / META_WORD_MULTIPLE * META_WORD_MULTIPLE)"
+
+
+def _c_literal(value: int) -> str:
+    # Past int32 a literal needs the long long suffix to keep its type in every expression.
+    return f"{value}LL" if not -(2**31) <= value < 2**31 else str(value)
+
+
+def cuda_header() -> str:
+    """The text of ``protocol.cuh``: one ``#define`` per protocol value, grouped, in a fixed order.
+
+    Values are read when called, so the header (and the compile cache key it is part of) follows
+    any change to them.
+    """
+    lines = [
+        "// protocol.cuh: the values moe_comm's kernels share with Python.",
+        "// Generated by moe_comm.protocol.cuda_header(); edit moe_comm/protocol.py, not this text.",
+        "#pragma once",
+    ]
+    for comment, names in _HEADER_GROUPS:
+        lines += ["", f"// {comment}."]
+        lines += [f"#define {name} {_c_literal(globals()[name])}" for name in names]
+    lines += ["", "// Words of a dispatch metadata row (moe_comm.protocol.meta_words(TOPK)).",
+              f"#define META_WORDS {_META_WORDS_C}", ""]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- status decoding
+
+
+@dataclass(frozen=True)
+class StatusReport:
+    """The device status word read on the host.
+
+    num_invalid: assignments with an expert id outside ``[0, num_experts)`` other than -1.
+    first_invalid: ``(source rank, token)`` of the first one, or None.
+    num_dropped: assignments dropped because their expert was over ``expert_capacity``.
+    first_dropped: ``(source rank, token)`` of the first one, or None.
+    timeout_phase: name of the first wait that timed out, or None. timeout_peer: its peer
+        (None also when the transport cannot tell which peer is missing: a collective with more than two ranks).
+    """
+
+    num_invalid: int
+    first_invalid: Optional[tuple[int, int]]
+    num_dropped: int
+    first_dropped: Optional[tuple[int, int]]
+    timeout_phase: Optional[str]
+    timeout_peer: Optional[int]
+
+    @property
+    def ok(self) -> bool:
+        """True when nothing was recorded."""
+        return not (self.num_invalid or self.num_dropped or self.timeout_phase)
+
+
+def _offender(key: int) -> Optional[tuple[int, int]]:
+    return None if key == NO_OFFENDER else (key >> 32, key & 0xFFFFFFFF)
+
+
+def decode_status(values: Sequence[int]) -> StatusReport:
+    """The report of a status word read on the host (``status.tolist()``, ``STATUS_FIELDS`` ints)."""
+    phase = values[STATUS_TIMEOUT_PHASE]
+    return StatusReport(
+        num_invalid=values[STATUS_NUM_INVALID],
+        first_invalid=_offender(values[STATUS_FIRST_INVALID]),
+        num_dropped=values[STATUS_NUM_DROPPED],
+        first_dropped=_offender(values[STATUS_FIRST_DROPPED]),
+        timeout_phase=TIMEOUT_PHASES.get(phase, f"phase {phase}") if phase else None,
+        timeout_peer=values[STATUS_TIMEOUT_PEER] if phase else None,
+    )
 
 
 def new_status(device: torch.device) -> torch.Tensor:
@@ -49,3 +281,64 @@ def new_status(device: torch.device) -> torch.Tensor:
     status[STATUS_FIRST_INVALID] = NO_OFFENDER
     status[STATUS_FIRST_DROPPED] = NO_OFFENDER
     return status
+
+
+# ---------------------------------------------------------------------------- symmetric regions
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class SymmetricRegions:
+    """Byte offsets of the regions of one rank's symmetric allocation (the same on every rank).
+
+    ``W`` ranks, ``M = max_tokens_per_rank``, ``K = topk``, rows of ``row_bytes``; every region starts at a
+    multiple of ``REGION_ALIGN`` bytes.
+
+    * ``flags``    u64 ``[CHANNELS][FLAG_KINDS][W]`` at offset 0: arrival (written by the sender),
+      count (the sender's T), ack (written by the receiver into the sender's memory), metadata
+      (dispatch: the sender's metadata rows and count have landed; its rows may still be in flight),
+      then one per chunk of dispatch's rows (chunk ``c`` of the sender's rows has landed).
+    * ``meta``     u32 ``[W, M, meta_words]``: slab ``s`` written by source ``s`` in dispatch: K local
+      expert ids (-1 none), then K float32 weights, padded to a multiple of ``META_WORD_MULTIPLE`` words.
+    * ``ret_vals`` f32 ``[W, M, K]``: slab ``r`` written by destination ``r`` (return_entry_values).
+    * ``recv_x``   ``[W, M, row]``: slab ``s`` written by source ``s`` (dispatch, redispatch).
+    * ``ret_x``    ``[W, M, row]``: slab ``r`` written by destination ``r`` (combine partials).
+    * ``stage_x``  ``[W, M, row]``, only with ``put_transport``: this rank's partials
+      for source ``s`` before NVSHMEM puts them (NVSHMEM moves symmetric memory only); else size 0.
+    """
+
+    world_size: int
+    max_tokens_per_rank: int
+    topk: int
+    row_bytes: int
+    meta_words: int
+    flags_offset: int
+    meta_offset: int
+    ret_vals_offset: int
+    recv_x_offset: int
+    ret_x_offset: int
+    stage_x_offset: int
+    nbytes: int
+
+    @classmethod
+    def plan(
+        cls, world_size: int, max_tokens_per_rank: int, topk: int, row_bytes: int, *, put_transport: bool = False
+    ) -> "SymmetricRegions":
+        words = meta_words(topk)
+        slab_rows = world_size * max_tokens_per_rank
+        offset = 0
+        regions = []
+        for size in (
+            CHANNELS * FLAG_KINDS * world_size * 8,
+            slab_rows * words * 4,
+            slab_rows * topk * 4,
+            slab_rows * row_bytes,
+            slab_rows * row_bytes,
+            slab_rows * row_bytes if put_transport else 0,
+        ):
+            regions.append(offset)
+            offset = _round_up(offset + size, REGION_ALIGN)
+        return cls(world_size, max_tokens_per_rank, topk, row_bytes, words, *regions, nbytes=offset)

@@ -38,3 +38,32 @@ def requires_gpus():
         return count
 
     return require
+
+
+@pytest.fixture
+def nvrtc():
+    """Skip when NVRTC cannot be loaded here (CI installs it through the `test` extra)."""
+    from moe_comm import jit
+    from moe_comm.errors import CompileError
+
+    try:
+        return jit.nvrtc_version()
+    except CompileError as exc:
+        pytest.skip(f"NVRTC is not available: {exc}")
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """A fresh cache directory, and a counter of real NVRTC compilations."""
+    from moe_comm import jit
+
+    monkeypatch.setenv("MOE_COMM_CACHE_DIR", str(tmp_path))
+    calls = []
+    real = jit._nvrtc_compile
+
+    def counting(name, source, headers, options):
+        calls.append(name)
+        return real(name, source, headers, options)
+
+    monkeypatch.setattr(jit, "_nvrtc_compile", counting)
+    return tmp_path, calls

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 import moe_comm
-from moe_comm import kernels
+from moe_comm import protocol
 from gpu_backends import GPU_BACKENDS, dist_backend_for, gpus_needed
 from multirank import run_ranks
 
@@ -39,7 +39,7 @@ MAX_TOKENS = 40
 ALIGN = 4
 SENTINEL_BYTE = 0x7F     # int32 0x7f7f7f7f, float32 3.4e38, bf16 3.4e38: never a legitimate value
 # Enough tokens for 4 chunks of dispatch's rows and of combine's partial rows (256 tokens each,
-# kernels._chunk_tokens), the last one partial.
+# protocol.MIN_CHUNK_TOKENS), the last one partial.
 CHUNKED_MAX_TOKENS = 3 * 256 + 40
 # More local experts than a dispatch block has threads (512): the layout's scans over the experts
 # span every warp and two rounds, which NUM_EXPERTS (a few experts, one warp) never reaches.
@@ -306,11 +306,11 @@ def _many_experts_scenario(rank, world, gloo, backend: str, section: dict) -> No
 
 
 def _one_layout_block_scenario(rank, world, gloo, backend: str, section: dict) -> None:
-    """Every slab row on one layout block (kernels._LAYOUT_ROWS_PER_BLOCK raised in this rank
+    """Every slab row on one layout block (protocol.LAYOUT_ROWS_PER_BLOCK raised in this rank
     process), several batches per warp: the layout must still match the reference bitwise."""
     generator = torch.Generator().manual_seed(1100 + rank)
-    rows_per_block = kernels._LAYOUT_ROWS_PER_BLOCK
-    kernels._LAYOUT_ROWS_PER_BLOCK = world * ONE_BLOCK_MAX_TOKENS
+    rows_per_block = protocol.LAYOUT_ROWS_PER_BLOCK
+    protocol.LAYOUT_ROWS_PER_BLOCK = world * ONE_BLOCK_MAX_TOKENS
     try:
         sized = dict(max_tokens_per_rank=ONE_BLOCK_MAX_TOKENS)
         with moe_comm.Dispatcher(_config(backend, "bfloat16", **sized, **section)) as dev, \
@@ -318,7 +318,7 @@ def _one_layout_block_scenario(rank, world, gloo, backend: str, section: dict) -
             x, idx, weights = _inputs("random", ONE_BLOCK_MAX_TOKENS - 3 * rank, world, torch.bfloat16, generator)
             _eager_step(dev, ref, rank, world, x, idx, weights, generator, f"one layout block (rank {rank})")
     finally:
-        kernels._LAYOUT_ROWS_PER_BLOCK = rows_per_block
+        protocol.LAYOUT_ROWS_PER_BLOCK = rows_per_block
 
 
 def _timeout_scenario(rank, world, gloo) -> None:

@@ -1,12 +1,11 @@
-"""Contract of moe_comm.jit: the NVRTC compile path and its disk cache (CPU), loading and launching (GPU).
+"""Contract of moe_comm.jit: the NVRTC compile path and its disk cache (CPU only).
 
-The CPU tests need only NVRTC (the ``nvidia-cuda-nvrtc`` wheel), which compiles for sm_90 on a
-machine without a GPU; they skip with the reason when it cannot be loaded.
+The tests need only NVRTC (the ``nvidia-cuda-nvrtc`` wheel), which compiles for sm_90 on a
+machine without a GPU; they skip with the reason when it cannot be loaded (fixtures ``nvrtc`` and
+``cache`` in conftest.py).
 """
 
 from __future__ import annotations
-
-import ctypes
 
 import pytest
 import torch
@@ -14,48 +13,7 @@ import torch
 from moe_comm import jit, nvshmem_build
 from moe_comm.errors import BackendError, CompileError, InputError
 from moe_comm.kernels import kernel_defines
-
-# Writes `value` into x[i] for i < n; VALUE comes from the defines.
-TOY_SOURCE = r"""
-extern "C" __global__ void fill_value(float* x, int n) {
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) x[i] = VALUE;
-}
-"""
-
-# Copies n floats through dynamic shared memory of `extern` size (used past the 48 KiB default).
-SHARED_SOURCE = r"""
-extern "C" __global__ void through_shared(const float* src, float* dst, int n) {
-    extern __shared__ float stage[];
-    for (int i = threadIdx.x; i < n; i += blockDim.x) stage[i] = src[i];
-    __syncthreads();
-    for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = stage[n - 1 - i];
-}
-"""
-
-
-@pytest.fixture
-def nvrtc():
-    """Skip when NVRTC cannot be loaded here (CI installs it through the `test` extra)."""
-    try:
-        return jit.nvrtc_version()
-    except CompileError as exc:
-        pytest.skip(f"NVRTC is not available: {exc}")
-
-
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    """A fresh cache directory, and a counter of real NVRTC compilations."""
-    monkeypatch.setenv("MOE_COMM_CACHE_DIR", str(tmp_path))
-    calls = []
-    real = jit._nvrtc_compile
-
-    def counting(name, source, headers, options):
-        calls.append(name)
-        return real(name, source, headers, options)
-
-    monkeypatch.setattr(jit, "_nvrtc_compile", counting)
-    return tmp_path, calls
+from toy_kernels import TOY_SOURCE
 
 
 def cubins(directory):
@@ -177,32 +135,6 @@ def test_bad_arguments_name_themselves(nvrtc, cache):
         jit.compile_source("no_such_kernel", arch="sm_90")
 
 
-def test_launch_parameters_are_packed_as_cuLaunchKernel_reads_them():
-    """Each value sits in its own 8-byte slot; a 4-byte parameter is read from the slot's low bytes."""
-    params = jit.kernel_params([(0x7FFF_0000_1234, ctypes.c_void_p), (-3, ctypes.c_int), (2**40, ctypes.c_longlong)])
-    pointers = [ctypes.c_uint64.from_address(params.address + 8 * i).value for i in range(3)]
-    assert ctypes.c_void_p.from_address(pointers[0]).value == 0x7FFF_0000_1234
-    assert ctypes.c_int.from_address(pointers[1]).value == -3
-    assert ctypes.c_longlong.from_address(pointers[2]).value == 2**40
-    assert jit.kernel_params([]).address == 0
-    with pytest.raises(InputError, match="c_float"):
-        jit.kernel_params([(1, ctypes.c_int), (1.0, ctypes.c_float)])
-
-
-def test_kernel_params_keep_fixed_values_and_refill_the_rest():
-    params = jit.KernelParams([ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p], fixed=(0x1000, 7))
-    address = params.address
-    assert params.fill((-1, 0x2000)) is params and params.address == address  # the same slots, refilled
-    assert params.values() == [0x1000, 7, 2**64 - 1, 0x2000]
-    params.fill((5, 0x3000))
-    assert params.values() == [0x1000, 7, 5, 0x3000]
-    assert ctypes.c_int.from_address(ctypes.c_uint64.from_address(address + 16).value).value == 5
-    with pytest.raises(InputError, match="expected 2 values after the 2 fixed ones, got 1"):
-        params.fill((1,))
-    with pytest.raises(InputError, match="fixed: 3 values for a kernel of 2 parameters"):
-        jit.KernelParams([ctypes.c_int, ctypes.c_int], fixed=(1, 2, 3))
-
-
 def test_declared_defines():
     text = '// moe_comm-defines: {"HIDDEN": 7168, "DTYPE": "bf16"}\n// moe_comm-defines: {"HIDDEN": 4096}\nint x;\n'
     assert jit._declared_defines("k", text) == [{"HIDDEN": 7168, "DTYPE": "bf16"}, {"HIDDEN": 4096}]
@@ -220,101 +152,6 @@ def test_compile_all_builds_every_packaged_kernel(nvrtc, cache):
     assert names == packaged
 
 
-# ------------------------------------------------------------------ GPU: loading and launching
-
-
-@pytest.fixture
-def device(requires_gpus) -> torch.device:
-    """The current CUDA device; skips the test on a machine without one."""
-    requires_gpus(1)
-    return torch.device("cuda", torch.cuda.current_device())
-
-
-@pytest.mark.gpu
-def test_load_and_launch(cache, device):
-    fn = jit.load_function(device, "toy", "fill_value", {"VALUE": 7}, source=TOY_SOURCE)
-    assert jit.load_function(device, "toy", "fill_value", {"VALUE": 7}, source=TOY_SOURCE) is fn
-    x = torch.zeros(1000, device=device)
-    fn.launch((x.numel() + 255) // 256, 256, [(x.data_ptr(), ctypes.c_void_p), (x.numel(), ctypes.c_int)])
-    torch.cuda.synchronize(device)
-    assert torch.equal(x, torch.full_like(x, 7.0))
-
-
-@pytest.mark.gpu
-def test_launch_from_a_fresh_thread(cache, device):
-    """A thread that made no CUDA call has no current context; launching there must still work."""
-    import threading
-
-    fn = jit.load_function(device, "toy", "fill_value", {"VALUE": 9}, source=TOY_SOURCE)
-    x = torch.zeros(64, device=device)
-    stream = torch.cuda.current_stream(device)
-    errors = []
-
-    def body():
-        try:
-            fn.launch(1, 64, [(x.data_ptr(), ctypes.c_void_p), (64, ctypes.c_int)], stream=stream)
-        except Exception as exc:
-            errors.append(exc)
-
-    thread = threading.Thread(target=body)
-    thread.start()
-    thread.join()
-    assert not errors, errors
-    torch.cuda.synchronize(device)
-    assert torch.equal(x, torch.full_like(x, 9.0))
-
-
-@pytest.mark.gpu
-def test_launch_while_another_device_is_current(cache, requires_gpus):
-    """Launching device 0's kernel while the thread's current device is another one."""
-    requires_gpus(2)
-    device = torch.device("cuda", 0)
-    fn = jit.load_function(device, "toy", "fill_value", {"VALUE": 11}, source=TOY_SOURCE)
-    x = torch.zeros(64, device=device)
-    with torch.cuda.device(1):
-        fn.launch(1, 64, [(x.data_ptr(), ctypes.c_void_p), (64, ctypes.c_int)])
-        assert torch.cuda.current_device() == 1
-    torch.cuda.synchronize(device)
-    assert torch.equal(x, torch.full_like(x, 11.0))
-
-
-@pytest.mark.gpu
-def test_dynamic_shared_memory_past_48_kib(cache, device):
-    fn = jit.load_function(device, "shared", "through_shared", source=SHARED_SOURCE)
-    n = 100 * 1024 // 4  # 100 KiB of floats: needs the opt-in attribute
-    src = torch.arange(n, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
-    fn.launch(1, 256, [(src.data_ptr(), ctypes.c_void_p), (dst.data_ptr(), ctypes.c_void_p), (n, ctypes.c_int)],
-              shared_bytes=n * 4)
-    torch.cuda.synchronize(device)
-    assert torch.equal(dst, src.flip(0))
-
-
-@pytest.mark.gpu
-def test_capture_replays_a_cached_function_and_refuses_to_compile(cache, device):
-    directory, calls = cache
-    fn = jit.load_function(device, "toy", "fill_value", {"VALUE": 4}, source=TOY_SOURCE)
-    x = torch.zeros(256, device=device)
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.graph(graph, stream=stream):
-        again = jit.load_function(device, "toy", "fill_value", {"VALUE": 4}, source=TOY_SOURCE)
-        again.launch(1, 256, [(x.data_ptr(), ctypes.c_void_p), (256, ctypes.c_int)])
-        with pytest.raises(BackendError, match="before the capture"):
-            jit.load_function(device, "toy", "fill_value", {"VALUE": 5}, source=TOY_SOURCE)
-    assert again is fn and calls == ["toy"]
-    graph.replay()
-    torch.cuda.synchronize(device)
-    assert torch.equal(x, torch.full_like(x, 4.0))
-
-
-@pytest.mark.gpu
-def test_unknown_entry_names_it(cache, device):
-    with pytest.raises(BackendError, match="no_such_entry"):
-        jit.load_function(device, "toy", "no_such_entry", {"VALUE": 1}, source=TOY_SOURCE)
-
-
 def test_modules_do_not_import_cuda_bindings_at_import_time():
     """CPU-only installs import moe_comm without the CUDA bindings: they are imported inside functions."""
     import ast
@@ -323,7 +160,7 @@ def test_modules_do_not_import_cuda_bindings_at_import_time():
     import moe_comm
 
     root = Path(moe_comm.__file__).parent
-    for relative in ("jit.py", "symm/base.py", "symm/vmm.py"):
+    for relative in ("jit.py", "driver.py", "symm/base.py", "symm/vmm.py"):
         tree = ast.parse((root / relative).read_text())
         for node in tree.body:
             names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else (

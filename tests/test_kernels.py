@@ -14,7 +14,8 @@ import re
 
 import torch
 
-from moe_comm import jit, kernels
+from moe_comm import driver, kernels, protocol
+from moe_comm.kernel_params import KernelParams, kernel_params
 from moe_comm.assets import asset_dir
 
 WORLD, MAX_TOKENS, TOPK, HIDDEN, EXPERTS = 2, 8, 3, 64, 8
@@ -47,7 +48,7 @@ class _Recorder:
         self.name, self.entry, self.launches = name, entry, []
 
     def launch(self, grid, block, args, shared_bytes=0, stream=None):
-        params = args if isinstance(args, jit.KernelParams) else jit.kernel_params(args)
+        params = args if isinstance(args, KernelParams) else kernel_params(args)
         self.launches.append([_CTYPE_KINDS[t] for t in params.types])
 
 
@@ -57,12 +58,12 @@ def test_launchers_pass_the_parameters_the_kernels_declare(monkeypatch):
     def load(device, name, entry, defines={}, **_):
         return recorders.setdefault((name, entry), _Recorder(name, entry))
 
-    monkeypatch.setattr(jit, "load_function", load)
+    monkeypatch.setattr(driver, "load_function", load)
     cpu = torch.device("cpu")
     defines = kernels.kernel_defines(torch.bfloat16, HIDDEN, TOPK)
     args = kernels.CommArgs(peers_ptr=0x1000, rank=0, world_size=WORLD, max_tokens_per_rank=MAX_TOKENS, state_ptr=0x2000,
                             status_ptr=0x3000, timeout_ns=10**9)
-    layout = kernels.SymmetricRegions.plan(WORLD, MAX_TOKENS, TOPK, HIDDEN * 2)
+    layout = protocol.SymmetricRegions.plan(WORLD, MAX_TOKENS, TOPK, HIDDEN * 2)
     local = EXPERTS // WORLD
     capacity_rows = 64
     dispatch = kernels.DispatchKernels(cpu, defines, args, layout, num_experts=EXPERTS, num_local_experts=local,

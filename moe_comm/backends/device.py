@@ -1,7 +1,7 @@
 """``DeviceBackend``: dispatch/combine with our own CUDA kernels on symmetric memory.
 
 Every rank holds ONE symmetric allocation (a :class:`moe_comm.symm.base.SymmetricMemory`, e.g.
-VMM), carved into the same regions on every rank (:class:`moe_comm.kernels.SymmetricRegions`):
+VMM), carved into the same regions on every rank (:class:`moe_comm.protocol.SymmetricRegions`):
 receive slabs ``[W, M, ...]`` written by the sources (token rows and per-row metadata), return
 slabs written by the destinations (combine partials, per-entry values), and flags. Kernels
 write peers' memory directly (NVLink stores) and synchronise through release/acquire flags with
@@ -119,11 +119,11 @@ class DeviceBackend(Backend):
         self._check_sizes()
 
         row_bytes = config.hidden * self.dtype.itemsize
-        self.regions = kernels.SymmetricRegions.plan(
+        self.regions = protocol.SymmetricRegions.plan(
             self.world_size, config.max_tokens_per_rank, config.topk, row_bytes, put_transport=put_transport
         )
         # u64 state words (epochs, done-counters): zero, like the flags of a fresh allocation.
-        self._state = torch.zeros(kernels.STATE_WORDS, dtype=torch.int64, device=device)
+        self._state = torch.zeros(protocol.STATE_WORDS, dtype=torch.int64, device=device)
         self._memory = memory_factory(group, device, self.regions.nbytes, timeout_s=config.timeout_s)
         try:
             self._setup_kernels()
@@ -136,12 +136,12 @@ class DeviceBackend(Backend):
 
     def _check_sizes(self) -> None:
         cfg = self.config
-        if self.world_size > kernels.MAX_WORLD_SIZE:
+        if self.world_size > protocol.MAX_WORLD:
             raise BackendError(
-                f"the device kernels handle at most {kernels.MAX_WORLD_SIZE} ranks, the group has {self.world_size}"
+                f"the device kernels handle at most {protocol.MAX_WORLD} ranks, the group has {self.world_size}"
             )
-        if cfg.topk > kernels.MAX_TOPK:
-            raise BackendError(f"the device kernels handle topk <= {kernels.MAX_TOPK}, the config has {cfg.topk}")
+        if cfg.topk > protocol.MAX_TOPK:
+            raise BackendError(f"the device kernels handle topk <= {protocol.MAX_TOPK}, the config has {cfg.topk}")
         entries = self.world_size * cfg.max_tokens_per_rank * cfg.topk
         if self.capacity_rows >= 2**31 or entries >= 2**31:
             raise BackendError(
@@ -200,13 +200,12 @@ class DeviceBackend(Backend):
             torch.zeros(self.capacity_rows, dtype=torch.float32, device=self.device), result.routing
         )
         torch.cuda.synchronize(self.device)
-        phase = int(self.status[protocol.STATUS_TIMEOUT_PHASE])
+        report = protocol.decode_status(self.status.tolist())
         problem = None
-        if phase:
-            peer = int(self.status[protocol.STATUS_TIMEOUT_PEER])
+        if report.timeout_phase:
             problem = (
                 f"rank {self.rank} timed out after {cfg.timeout_s} s: "
-                f"{protocol.TIMEOUT_PHASES.get(phase, f'phase {phase}')} (peer rank {peer})"
+                f"{report.timeout_phase} (peer rank {report.timeout_peer})"
             )
 
         def report() -> None:

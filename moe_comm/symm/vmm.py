@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from ..agreement import agree
 from ..errors import BackendError, CommTimeoutError, InputError, MoeCommError
-from ..jit import cu_check, cuda_driver, device_context
+from ..driver import cu_check, cuda_driver, device_context
 from .base import SymmetricMemory, wrap_device_pointer
 
 __all__ = ["FD_PASSING", "VmmSymmetricMemory", "open_fd_count"]
