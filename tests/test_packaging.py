@@ -124,6 +124,10 @@ def test_source_tree_on_pythonpath_reads_its_resources(tmp_path):
     if not (ROOT / "pyproject.toml").exists():
         pytest.skip(f"no source tree at {ROOT} (tests run from an installed copy)")
     tree = _copy_source_tree(tmp_path / "tree")
+    # Leftovers of the old layout (empty folders where csrc/ and configs/ once were inside the
+    # package, as a synced copy keeps them) must not be taken for the real ones.
+    (tree / "moe_comm" / "configs").mkdir()
+    (tree / "moe_comm" / "csrc" / "__pycache__").mkdir(parents=True)
     location, csrc, backend, kernels = _probe_assets(dict(os.environ, PYTHONPATH=str(tree)), tmp_path)
     assert location == str(tree / "moe_comm" / "__init__.py")
     assert csrc == str(tree / "csrc")
