@@ -1,9 +1,10 @@
 """torch.compile on the GPU (contract: compile): fullgraph and Inductor's CUDA graphs.
 
-On ``vmm`` (1 rank, and 2 ranks time-sliced on one GPU when only one is present): a model of two
-residual MoELayers sharing a Dispatcher, compiled with ``fullgraph=True`` (one graph, no break),
-gives eager's output and every gradient; compiled with ``mode="reduce-overhead"`` (Inductor
-records CUDA graphs and replays them), steps with new tokens each time give eager's results.
+On ``vmm`` (1 rank, and 2 ranks time-sliced on one GPU when only one is present), a model of two
+residual MoELayers sharing a Dispatcher traces into one graph with no break; run through the
+traced graph (``aot_eager``) it gives eager's output and every gradient bit for bit; with
+``mode="reduce-overhead"`` (Inductor records CUDA graphs and replays them) steps with new tokens
+give what Inductor's code gives without graphs; a compiled layer stays within bf16 rounding of eager.
 """
 
 from __future__ import annotations
@@ -55,13 +56,23 @@ def _rank_main(rank: int, world: int) -> dict:
         model = _TwoMoeBlocks(disp)
         gen = torch.Generator().manual_seed(rank)
         inputs = [torch.randn(TOKENS, HIDDEN, generator=gen).to(disp.device, torch.bfloat16) for _ in range(STEPS)]
-        eager = [_step(model, model, x) for x in inputs]
         explain = torch._dynamo.explain(model)(inputs[0])
         result["graphs"], result["breaks"] = explain.graph_count, explain.graph_break_count
-        fullgraph = torch.compile(model, fullgraph=True)
-        result["fullgraph"] = max(_errors(e, _step(model, fullgraph, x)) for e, x in zip(eager, inputs))
+        # The traced graph without Inductor's code generation: the ops and their autograd exactly.
+        eager = [_step(model, model, x) for x in inputs]
+        traced = torch.compile(model, fullgraph=True, backend="aot_eager")
+        result["aot_eager"] = max(_errors(e, _step(model, traced, x)) for e, x in zip(eager, inputs))
+        # Inductor generates its own bf16 kernels for the norms and residuals, so a token's top-k may
+        # flip between it and eager in the second layer: its CUDA graphs (reduce-overhead) are
+        # compared with its own code run without graphs, step by step with new tokens.
+        inductor = [_step(model, torch.compile(model, fullgraph=True), x) for x in inputs]
         cudagraphs = torch.compile(model, mode="reduce-overhead", fullgraph=True)
-        result["reduce_overhead"] = max(_errors(e, _step(model, cudagraphs, x)) for e, x in zip(eager, inputs))
+        result["reduce_overhead"] = max(_errors(i, _step(model, cudagraphs, x)) for i, x in zip(inductor, inputs))
+        # One layer: nothing before its router, so the routing is eager's and Inductor is close.
+        layer = model.moe[0]
+        first = [_step(layer, layer, x) for x in inputs]
+        result["inductor_one_layer"] = max(_errors(e, _step(layer, torch.compile(layer, fullgraph=True), x))
+                                           for e, x in zip(first, inputs))
         torch.cuda.synchronize()
         disp.check()
     return result
@@ -74,5 +85,7 @@ def test_compiled_model_on_gpu_equals_eager(world, requires_gpus):
     per_rank = run_ranks(_rank_main, world, dist_backend=dist_backend_for(world, gpus), gpu=True, timeout_s=300)
     for rank, result in enumerate(per_rank):
         assert (result["graphs"], result["breaks"]) == (1, 0), f"rank {rank}: {result}"
-        # bf16 end to end: Inductor fuses the norm and the residuals, so not bitwise.
-        assert result["fullgraph"] < 2e-2 and result["reduce_overhead"] < 2e-2, f"rank {rank}: {result}"
+        assert result["aot_eager"] == 0.0, f"rank {rank}: {result}"
+        assert result["reduce_overhead"] < 1e-3, f"rank {rank}: {result}"
+        # bf16 rounding of Inductor's fused kernels against eager's (measured 1.6e-2 on one H200).
+        assert result["inductor_one_layer"] < 3e-2, f"rank {rank}: {result}"
