@@ -3,9 +3,9 @@
 The names users need live here; everything else is in the submodules.
 """
 
-from .config import Config, load_config
+from .config import Config, RouterConfig, load_config
 from .dispatcher import Dispatcher, DispatchHandle, DispatchOutput, StatusReport
-from .layer import MoELayer, MoEWeights
+from .layer import MoELayer, MoEWeights, moe_aux_loss, update_expert_biases
 from .errors import (
     BackendError,
     CommTimeoutError,
@@ -18,6 +18,7 @@ from .errors import (
 
 __all__ = [
     "Config",
+    "RouterConfig",
     "load_config",
     "Dispatcher",
     "DispatchHandle",
@@ -25,6 +26,8 @@ __all__ = [
     "StatusReport",
     "MoELayer",
     "MoEWeights",
+    "moe_aux_loss",
+    "update_expert_biases",
     "MoeCommError",
     "ConfigError",
     "InputError",
