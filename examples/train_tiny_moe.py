@@ -9,6 +9,14 @@ output head. The residual stream is float32; each ``MoELayer`` runs in the confi
 The data: sequences from a fixed random Markov chain (every token has ``SUCCESSORS`` equally likely
 next tokens), so the next-token loss falls from ``ln(vocab)`` towards ``ln(SUCCESSORS)``.
 
+Load balancing (on by default; ``--no-balancing`` turns it off): the Switch/GShard auxiliary loss
+(``--aux-loss-coef``) is added to the training loss (``moe_comm.moe_aux_loss``), and the
+aux-loss-free expert bias (``--bias-update-rate``) is updated after every optimizer step
+(``moe_comm.update_expert_biases``, an all-reduce of the loads). Every step records each layer's
+per-expert load (``MoELayer.expert_load``); at the end rank 0 prints the load spread (the busiest
+expert's load over the mean, averaged over the layers, all ranks' tokens) of the first and last
+steps. With ``--config`` the config's ``router`` section decides, unless a flag is given.
+
 Parallelism: expert parallel for the experts (each rank holds ``num_experts / world`` of them)
 and data parallel for everything else: each rank draws its own batches, and the gradients of the
 replicated weights (embedding, norms, routers, head) are summed over the ranks. The loss is
@@ -45,8 +53,12 @@ from moe_comm.spawn import run_ranks
 SUCCESSORS = 4       # next tokens each token may be followed by: the loss floor is ln(4) = 1.39
 WINDOW = 3           # steps averaged at the start and at the end for the "loss went down" check
 WARMUP_STEPS = 3     # eager steps before a --graph capture (torch's whole-network capture recipe)
+SPREAD_WINDOW = 5    # steps whose loads are summed for the load spread at the start and at the end
 # The model used when no --config is given: small enough for CPU ranks.
 TINY = dict(num_experts=8, topk=2, hidden=64, max_tokens_per_rank=128, expert_alignment=8)
+# Its load balancing unless flags say otherwise: an auxiliary loss and the aux-loss-free bias. The
+# bias rate is larger than DeepSeek-V3's 0.001 so that it acts within a few dozen steps.
+BALANCING = dict(aux_loss_coef=0.01, bias_update_rate=0.01)
 
 
 class TinyMoeLM(nn.Module):
@@ -121,19 +133,22 @@ def _train_rank(rank: int, world_size: int, config_dict: dict, options: dict) ->
         data = MarkovData(options["vocab"], batch, seq_len, options["seed"], rank)
         static_batch = data.next().to(device)
 
-        def step() -> torch.Tensor:
+        def step() -> tuple[torch.Tensor, torch.Tensor]:
             optimizer.zero_grad(set_to_none=True)
             logits = model(static_batch[:, :-1])
             loss = F.cross_entropy(logits.reshape(-1, model.vocab), static_batch[:, 1:].reshape(-1))
-            (loss / world_size).backward()
+            # The balancing losses (zero without a coefficient) belong to this rank's tokens, as the task loss.
+            ((loss + moe_comm.moe_aux_loss(model)) / world_size).backward()
             for p in replicated:
                 dist.all_reduce(p.grad)
             optimizer.step()
-            return loss.detach()
+            moe_comm.update_expert_biases(model)  # a collective; no-op for layers without a bias
+            return loss.detach(), torch.stack([layer.expert_load for layer in model.moe])
 
         if rank == 0:
             print(f"rank 0: {model.moe[0]!r}", flush=True)
         history = torch.zeros(options["steps"], device=device)
+        loads = torch.zeros(options["steps"], len(model.moe), config.num_experts, dtype=torch.int64, device=device)
         graph = None
         for i in range(options["steps"]):
             start = time.perf_counter()
@@ -141,20 +156,22 @@ def _train_rank(rank: int, world_size: int, config_dict: dict, options: dict) ->
             if graph is not None:
                 graph.replay()
             elif graph_mode and i == WARMUP_STEPS:
-                graph, loss = _capture(step)
+                graph, (loss, load) = _capture(step)
                 graph.replay()  # capturing ran nothing: this replay is step i
             elif graph_mode and i < WARMUP_STEPS:
-                loss = _on_side_stream(step)
+                loss, load = _on_side_stream(step)
             else:
-                loss = step()
+                loss, load = step()
             history[i] = loss
+            loads[i] = load
             if rank == 0:
                 print(f"step {i + 1:4d}/{options['steps']}  loss {float(loss):.4f}  "
                       f"{(time.perf_counter() - start) * 1e3:7.1f} ms{'  (graph)' if graph is not None else ''}",
                       flush=True)
         dist.all_reduce(history)
+        dist.all_reduce(loads)  # every expert's load over all ranks' tokens
         dispatcher.check()
-    return (history / world_size).tolist()
+    return (history / world_size).tolist(), loads.tolist()
 
 
 def _on_side_stream(fn):
@@ -168,11 +185,11 @@ def _on_side_stream(fn):
 
 
 def _capture(step):
-    """Capture ``step`` once; returns the graph and its static loss tensor."""
+    """Capture ``step`` once; returns the graph and its static outputs (loss, loads)."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        loss = step()
-    return graph, loss
+        outputs = step()
+    return graph, outputs
 
 
 def judge(losses: list, min_drop: float) -> tuple[str, bool]:
@@ -182,6 +199,25 @@ def judge(losses: list, min_drop: float) -> tuple[str, bool]:
     verdict = "went down" if went_down else f"FAIL: did not fall by {min_drop:.0%}"
     return (f"mean loss over all ranks {first:.4f} (first {WINDOW} steps) -> {last:.4f} (last {WINDOW}); "
             f"floor ln({SUCCESSORS}) = {math.log(SUCCESSORS):.4f}: {verdict}"), went_down
+
+
+def load_spread(loads: list) -> float:
+    """max/mean expert load of ``loads [steps][layers][experts]`` summed over the steps, averaged over the layers.
+
+    1.0 is an even load. Summing a few steps first keeps the sampling noise of one small batch
+    (a few dozen assignments per expert here) from hiding the trend.
+    """
+    total = torch.tensor(loads, dtype=torch.float64).sum(dim=0)
+    return float((total.max(dim=-1).values / total.mean(dim=-1)).mean())
+
+
+def spread_summary(loads: list) -> tuple[str, bool]:
+    """The load spread of the first ``SPREAD_WINDOW`` steps and of the last -> (summary, fell)."""
+    first, last = load_spread(loads[:SPREAD_WINDOW]), load_spread(loads[-SPREAD_WINDOW:])
+    fell = last < first
+    return (f"load spread (max/mean expert load over all ranks, mean of the layers; 1.0 = even) {first:.3f} "
+            f"(first {SPREAD_WINDOW} steps) -> {last:.3f} (last {SPREAD_WINDOW}): "
+            f"{'fell' if fell else 'did not fall'}"), fell
 
 
 def _parse(argv) -> argparse.Namespace:
@@ -200,6 +236,12 @@ def _parse(argv) -> argparse.Namespace:
     parser.add_argument("--min-drop", type=float, default=0.1,
                         help="required relative fall of the loss, first to last steps (default 0.1)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--aux-loss-coef", type=float,
+                        help=f"router.aux_loss_coef (default {BALANCING['aux_loss_coef']}, or the config's)")
+    parser.add_argument("--bias-update-rate", type=float,
+                        help=f"router.bias_update_rate (default {BALANCING['bias_update_rate']}, or the config's)")
+    parser.add_argument("--no-balancing", action="store_true",
+                        help="no balancing loss and no expert bias (the plain router: watch the load spread grow)")
     return parser.parse_args(argv)
 
 
@@ -207,8 +249,18 @@ def main(argv=None) -> int:
     args = _parse(argv)
     overrides = {} if args.backend is None else {"backend": args.backend}
     if args.config is None:
-        overrides = {**TINY, **overrides}
-    config = moe_comm.load_config(args.config, **overrides)
+        overrides = {**TINY, "router": dict(BALANCING), **overrides}
+    balancing = {key: value for key, value in (("aux_loss_coef", args.aux_loss_coef),
+                                               ("bias_update_rate", args.bias_update_rate)) if value is not None}
+    if args.no_balancing:
+        balancing = dict(aux_loss_coef=0.0, seq_aux_loss_coef=0.0, z_loss_coef=0.0, bias_update_rate=0.0)
+    if balancing:
+        overrides["router"] = {**overrides.get("router", {}), **balancing}
+    try:
+        config = moe_comm.load_config(args.config, **overrides)
+    except moe_comm.ConfigError as exc:
+        print(f"train_tiny_moe: {exc}", file=sys.stderr)
+        return 2
     gpu = config.backend != "reference" and torch.cuda.is_available()
     if args.config is None:
         # bf16 where GPUs run it (and torch._grouped_mm can); float32 on CPU ranks, where 16-bit
@@ -238,6 +290,7 @@ def main(argv=None) -> int:
     where = f"{world_size} GPU ranks (nccl)" if gpu else f"{world_size} CPU ranks (gloo)"
     print(f"train_tiny_moe: {where}, backend {config.backend}, experts {config.num_experts} top-{config.topk}, "
           f"hidden {config.hidden}, {config.dtype}, {config.max_tokens_per_rank} tokens/rank/step, "
+          f"aux loss {config.router.aux_loss_coef}, bias rate {config.router.bias_update_rate}, "
           f"{args.steps} steps{', CUDA graph' if args.graph else ''}", flush=True)
     try:
         per_rank = run_ranks(_train_rank, world_size, config.to_dict(), options, dist_backend="nccl" if gpu else "gloo",
@@ -245,7 +298,9 @@ def main(argv=None) -> int:
     except RankFailureError as exc:
         print(f"train_tiny_moe: FAIL: {exc}", file=sys.stderr)
         return 1
-    summary, went_down = judge(per_rank[0], args.min_drop)
+    losses, loads = per_rank[0]
+    print(f"train_tiny_moe: {spread_summary(loads)[0]}", flush=True)
+    summary, went_down = judge(losses, args.min_drop)
     print(f"train_tiny_moe: {summary}", flush=True)
     return 0 if went_down else 1
 

@@ -3,9 +3,9 @@
 The names users need live here; everything else is in the submodules.
 """
 
-from .config import Config, load_config
+from .config import Config, RouterConfig, load_config
 from .dispatcher import Dispatcher, DispatchHandle, DispatchOutput
-from .layer import MoELayer, MoEWeights
+from .layer import MoELayer, MoEWeights, moe_aux_loss, update_expert_biases
 from .protocol import StatusReport
 from .errors import (
     BackendError,
@@ -19,6 +19,7 @@ from .errors import (
 
 __all__ = [
     "Config",
+    "RouterConfig",
     "load_config",
     "Dispatcher",
     "DispatchHandle",
@@ -26,6 +27,8 @@ __all__ = [
     "StatusReport",
     "MoELayer",
     "MoEWeights",
+    "moe_aux_loss",
+    "update_expert_biases",
     "MoeCommError",
     "ConfigError",
     "InputError",

@@ -30,12 +30,15 @@ __all__ = [
     "VmmConfig",
     "NvshmemConfig",
     "NcclConfig",
+    "RouterConfig",
+    "ROUTER_SCORES",
     "load_config",
     "default_config_text",
 ]
 
 BACKENDS = ("auto",) + registry.BACKEND_NAMES
 EXPERT_IMPLS = ("auto", "grouped_mm", "loop")
+ROUTER_SCORES = ("softmax", "sigmoid")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -58,6 +61,19 @@ def _check_int(key: str, value: Any, minimum: int) -> None:
 def _check_float(key: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise _fail(key, value, "a positive number of seconds")
+
+
+def _check_number(key: str, value: Any, allowed: str, positive: bool) -> None:
+    """A finite int or float, > 0 if ``positive`` else >= 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _fail(key, value, allowed)
+    if value < 0 or (positive and value == 0):
+        raise _fail(key, value, allowed)
+
+
+def _check_bool(key: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise _fail(key, value, "true or false")
 
 
 @dataclass(frozen=True)
@@ -109,7 +125,80 @@ class NcclConfig:
         _check_choice("nccl.transport", self.transport, registry.transports("nccl"))
 
 
-_SECTIONS = {"vmm": VmmConfig, "nvshmem": NvshmemConfig, "nccl": NcclConfig}
+@dataclass(frozen=True)
+class RouterConfig:
+    """How :class:`moe_comm.MoELayer` routes tokens and balances the experts' load (the Dispatcher ignores it).
+
+    The defaults are a float32 softmax, the top-k of its probabilities, renormalised, with no
+    balancing. Every rank must use the same values (they are part of the config fingerprint).
+
+    score: ``softmax`` (probabilities over the experts) or ``sigmoid`` (an independent score per
+        expert, as DeepSeek-V3).
+    softmax_after_topk: pick the top-k logits first, then take the softmax over those K only
+        (Mixtral's order); false takes the top-k of the softmax over all experts. Only with
+        ``score: softmax`` (a sigmoid is per expert, so the order makes no difference).
+    renormalize: scale each token's K weights to sum to 1. ``MoELayer(renormalize=...)`` overrides it.
+    routed_scaling_factor: multiplies the routed experts' weights after renormalisation (DeepSeek-V3: 2.5).
+    n_group, topk_group: group-limited top-k (DeepSeek-V3's ``n_group`` / ``topk_group``): the
+        experts form ``n_group`` groups of ``num_experts / n_group`` consecutive ids; a group's score
+        is the sum of its two best selection scores (its one best in groups of one expert); each
+        token keeps its ``topk_group`` best groups and takes its top-k among their experts.
+        ``n_group: 1`` is plain top-k.
+    aux_loss_coef: coefficient of the Switch/GShard load-balancing loss over each forward's tokens
+        (``E * sum_e f_e * P_e``: ``f_e`` the fraction of assignments to expert ``e``, ``P_e`` its mean
+        probability); 0 leaves it out.
+    seq_aux_loss_coef: coefficient of DeepSeek-V3's sequence-wise balancing loss (the same term
+        per sequence, averaged over the sequences; a sequence is dim -2 of a ``[..., S, H]`` input);
+        0 leaves it out.
+    z_loss_coef: coefficient of the router z-loss (ST-MoE: mean squared logsumexp of the logits); 0 leaves it out.
+    bias_update_rate: aux-loss-free balancing (DeepSeek-V3): a per-expert bias is added to the
+        scores to choose the experts (never to their weights), and
+        ``MoELayer.update_expert_bias()`` moves it by this rate towards the mean load; 0 keeps no bias.
+    """
+
+    score: str = "softmax"
+    softmax_after_topk: bool = False
+    renormalize: bool = True
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    aux_loss_coef: float = 0.0
+    seq_aux_loss_coef: float = 0.0
+    z_loss_coef: float = 0.0
+    bias_update_rate: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_choice("router.score", self.score, ROUTER_SCORES)
+        _check_bool("router.softmax_after_topk", self.softmax_after_topk)
+        if self.softmax_after_topk and self.score != "softmax":
+            raise _fail("router.softmax_after_topk", self.softmax_after_topk,
+                        f"false with router.score '{self.score}' (only a softmax has an order to choose)")
+        _check_bool("router.renormalize", self.renormalize)
+        _check_number("router.routed_scaling_factor", self.routed_scaling_factor, "a positive number", True)
+        _check_int("router.n_group", self.n_group, 1)
+        _check_int("router.topk_group", self.topk_group, 1)
+        if self.topk_group > self.n_group:
+            raise _fail("router.topk_group", self.topk_group, f"at most router.n_group ({self.n_group})")
+        for key in ("aux_loss_coef", "seq_aux_loss_coef", "z_loss_coef", "bias_update_rate"):
+            _check_number(f"router.{key}", getattr(self, key), "a number >= 0 (0 turns it off)", False)
+
+    @property
+    def balancing_losses(self) -> bool:
+        """True when any balancing loss has a coefficient (the layer then records ``aux_loss``)."""
+        return bool(self.aux_loss_coef or self.seq_aux_loss_coef or self.z_loss_coef)
+
+    def check_experts(self, num_experts: int, topk: int) -> None:
+        """Check the group settings against ``num_experts`` and ``topk``; raise ``ConfigError`` naming the key."""
+        if num_experts % self.n_group:
+            raise _fail("router.n_group", self.n_group, f"a divisor of num_experts ({num_experts})")
+        kept = self.topk_group * (num_experts // self.n_group)
+        if topk > kept:
+            raise _fail("router.topk_group", self.topk_group,
+                        f"enough groups for topk ({topk}): {self.topk_group} groups of "
+                        f"{num_experts // self.n_group} experts hold {kept}")
+
+
+_SECTIONS = {"vmm": VmmConfig, "nvshmem": NvshmemConfig, "nccl": NcclConfig, "router": RouterConfig}
 
 
 @dataclass(frozen=True)
@@ -149,6 +238,7 @@ class Config:
     check_every_step: read the device status after every call and raise on a fault (a host
         sync per call; for debugging).
     vmm, nvshmem, nccl: backend-specific sections (see their classes).
+    router: how :class:`moe_comm.MoELayer` routes and balances (see :class:`RouterConfig`).
     """
 
     backend: str = "auto"
@@ -167,6 +257,7 @@ class Config:
     vmm: VmmConfig = field(default_factory=VmmConfig)
     nvshmem: NvshmemConfig = field(default_factory=NvshmemConfig)
     nccl: NcclConfig = field(default_factory=NcclConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
 
     def __post_init__(self) -> None:
         _check_choice("backend", self.backend, BACKENDS)
@@ -194,6 +285,7 @@ class Config:
         for name, cls in _SECTIONS.items():
             if not isinstance(getattr(self, name), cls):
                 raise _fail(name, getattr(self, name), f"a {cls.__name__}")
+        self.router.check_experts(self.num_experts, self.topk)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -25,6 +25,7 @@ __all__ = [
     "grouped_experts",
     "masked_experts",
     "sliced_experts",
+    "shared_expert",
 ]
 
 
@@ -144,3 +145,18 @@ def sliced_experts(
         start = end
     pieces.append(rows.new_zeros(rows.shape[0] - start, rows.shape[1]))
     return torch.cat(pieces)
+
+
+def shared_expert(tokens: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """The shared experts (one always-on SwiGLU MLP) on every local token.
+
+    Args:
+        tokens: ``[T, H]``. w_gate_up: ``[H, 2S]``. w_down: ``[S, H]``. One device, one dtype.
+
+    Returns:
+        ``[T, H]`` in the tokens' dtype. On CPU computed in float32 and rounded once, as
+        :func:`sliced_experts` does (16-bit CPU GEMMs are slow); on a GPU in the tokens' dtype.
+    """
+    if tokens.device.type == "cpu":
+        return swiglu(tokens.float(), w_gate_up.float(), w_down.float()).to(tokens.dtype)
+    return swiglu(tokens, w_gate_up, w_down)

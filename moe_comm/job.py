@@ -168,7 +168,7 @@ def run_rank(rank: int, world_size: int, config_dict: dict, options: RunOptions)
                 # The layer saw x rounded to the config dtype; so does the reference.
                 xr = xr.to(device=device, dtype=config.torch_dtype).float().requires_grad_()
                 zr = dense_forward(xr, dense, topk=config.topk, renormalize=layer.renormalize,
-                                   topk_idx=routings[r].to(device))
+                                   topk_idx=routings[r].to(device), router=config.router)
                 loss = loss + (zr * ur.to(device=device, dtype=config.torch_dtype).float()).sum()
                 if r == rank:
                     z_ref, x_ref = zr, xr

@@ -2,20 +2,25 @@
 
 ``layer_errors`` runs stacked ``MoELayer``s on one rank's tokens, forward and backward, and
 recomputes every rank's tokens densely in float32 (:func:`moe_comm.reference.dense_forward`, with the
-routing the layers chose, so a near-tie cannot pick different experts in the two runs). It
+routing the layers chose, so a near-tie cannot pick different experts in the two runs). The
+config's ``router`` section applies to both; the first layer's choice is checked on its own
+against :func:`moe_comm.reference.dense_route`, and the balancing losses the config enables are
+added to the training loss on both sides (:func:`moe_comm.reference.dense_balancing_losses`). It
 returns scale-free relative errors: ``max |got - want| / max |want|`` per tensor.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from moe_comm import Dispatcher
+from moe_comm.balancing import expert_counts
 from moe_comm.layer import MoELayer, MoEWeights
-from moe_comm.reference import build_dense_weights, dense_forward
+from moe_comm.reference import build_dense_weights, dense_balancing_losses, dense_forward, dense_route
 
 __all__ = ["FFN", "BASE", "TOLERANCE", "rel_err", "gather", "layer_errors", "assert_within"]
 
@@ -41,71 +46,122 @@ def gather(world_size: int, tensor: torch.Tensor) -> list:
     return gathered
 
 
-def layer_errors(disp: Dispatcher, rank: int, world_size: int, renormalize: bool, shape: tuple,
-                 num_layers: int, given: Optional[list] = None, local: bool = False) -> dict:
+def _random_bias(cfg, layer_index: int) -> torch.Tensor:
+    """A selection bias the same on every rank, large enough to change some tokens' choice."""
+    gen = torch.Generator().manual_seed(77 + layer_index)
+    return torch.randn(cfg.num_experts, generator=gen) * 0.2
+
+
+def layer_errors(disp: Dispatcher, rank: int, world_size: int, renormalize: Optional[bool], shape: tuple,
+                 num_layers: int, given: Optional[list] = None, local: bool = False,
+                 shared_ffn_hidden: Optional[int] = None) -> dict:
     """Relative errors of ``num_layers`` stacked layers on ``disp`` against the dense reference.
 
     Args:
-        disp: the shared Dispatcher (its config picks dtype and expert implementation).
-        shape: the token dimensions of the input (``[*shape, H]``).
+        disp: the shared Dispatcher (its config picks dtype, expert implementation and router).
+        renormalize: as ``MoELayer``'s (None: the config's).
+        shape: the token dimensions of the input (``[*shape, H]``); more than
+            ``max_tokens_per_rank`` tokens are sent in batch slices.
         given: one global :class:`MoEWeights` per layer to build the layers from (else from seeds);
-            the reference uses the same weights. local: hand each layer only this rank's experts.
+            the reference uses the same weights (shared experts included). local: hand each layer only
+            this rank's experts.
+        shared_ffn_hidden: build the (seeded) layers with shared experts of this width.
 
     Returns:
         name -> relative error: ``output``, ``grad_x`` and per layer ``i`` the router and both
-        expert weights' gradients, plus ``weights_match{i}`` (0 when the layer's experts are the
-        dense weights' slice of this rank, bit for bit).
+        expert weights' gradients (and the shared experts', if any), ``weights_match{i}`` (0 when
+        the layer's experts are the dense weights' slice of this rank, bit for bit), ``aux_loss{i}``
+        when the config enables a balancing loss, ``pending_load{i}`` when it keeps a bias (0 when
+        the accumulated load is this rank's count of the routing, exactly), and ``choice0`` (the
+        fraction of tokens whose experts differ from the reference's choice for the first layer).
     """
     cfg = disp.config
     device = disp.device
     lo, hi = rank * disp.num_local_experts, (rank + 1) * disp.num_local_experts
     if given is None:
-        layers = [MoELayer(cfg, FFN, dispatcher=disp, renormalize=renormalize, seed=7 + i) for i in range(num_layers)]
-        dense = [build_dense_weights(cfg, FFN, 7 + i, dtype=torch.float32, device=device) for i in range(num_layers)]
+        layers = [MoELayer(cfg, FFN, dispatcher=disp, renormalize=renormalize, seed=7 + i,
+                           shared_ffn_hidden=shared_ffn_hidden) for i in range(num_layers)]
+        dense = [build_dense_weights(cfg, FFN, 7 + i, dtype=torch.float32, device=device,
+                                     shared_ffn_hidden=shared_ffn_hidden) for i in range(num_layers)]
     else:
-        handed = [MoEWeights(w.router, w.w_gate_up[lo:hi], w.w_down[lo:hi]) if local else w for w in given]
+        handed = [dataclasses.replace(w, w_gate_up=w.w_gate_up[lo:hi], w_down=w.w_down[lo:hi]) if local else w
+                  for w in given]
         layers = [MoELayer(cfg, dispatcher=disp, renormalize=renormalize, weights=w) for w in handed]
         # The reference computes with the values the layers hold (rounded to the config dtype), in
         # copies of its own: its gradients must not accumulate into the caller's tensors.
         def held(tensor, dtype):
+            if tensor is None:
+                return None
             return tensor.detach().to(dtype).to(device=device, dtype=torch.float32, copy=True)
 
         dense = [MoEWeights(held(w.router, torch.float32), held(w.w_gate_up, cfg.torch_dtype),
-                            held(w.w_down, cfg.torch_dtype)) for w in given]
+                            held(w.w_down, cfg.torch_dtype), held(w.shared_w_gate_up, cfg.torch_dtype),
+                            held(w.shared_w_down, cfg.torch_dtype)) for w in given]
     gen = torch.Generator().manual_seed(1000 + rank)
     x = torch.randn(*shape, cfg.hidden, generator=gen).to(device=device, dtype=cfg.torch_dtype).requires_grad_()
     upstream = torch.randn(*shape, cfg.hidden, generator=gen).to(device=device, dtype=cfg.torch_dtype)
+    biases = []
+    for i, layer in enumerate(layers):
+        if layer.expert_bias is not None:
+            layer.expert_bias.copy_(_random_bias(cfg, i))
+        biases.append(layer.expert_bias)
     z = x
     routings = []
+    loss = 0.0
     for layer in layers:
         z = layer(z)
         routings.append(gather(world_size, layer.last_topk_idx))
-    (z.float() * upstream.float()).sum().backward()
+        if layer.aux_loss is not None:
+            loss = loss + layer.aux_loss
+    (loss + (z.float() * upstream.float()).sum()).backward()
 
     xs = [t.to(device).float().requires_grad_() for t in gather(world_size, x)]
     upstreams = [t.to(device).float() for t in gather(world_size, upstream)]
     for weights in dense:
-        for tensor in (weights.router, weights.w_gate_up, weights.w_down):
-            tensor.requires_grad_()
-    loss = 0.0
+        for tensor in (weights.router, weights.w_gate_up, weights.w_down, weights.shared_w_gate_up,
+                       weights.shared_w_down):
+            if tensor is not None:
+                tensor.requires_grad_()
+    losses = [[None] * num_layers for _ in range(world_size)]
+    ref_loss = 0.0
     for r in range(world_size):
         zr = xs[r]
-        for weights, idx in zip(dense, routings):
-            zr = dense_forward(zr, weights, topk=cfg.topk, renormalize=renormalize, topk_idx=idx[r].to(device))
-        loss = loss + (zr * upstreams[r]).sum()
+        for i, (weights, idx) in enumerate(zip(dense, routings)):
+            terms = dense_balancing_losses(zr, weights.router, idx[r].to(device), cfg.router)
+            if terms:
+                losses[r][i] = sum(terms.values())
+                ref_loss = ref_loss + losses[r][i]
+            zr = dense_forward(zr, weights, topk=cfg.topk, renormalize=renormalize, topk_idx=idx[r].to(device),
+                               router=cfg.router)
+        ref_loss = ref_loss + (zr * upstreams[r]).sum()
         if r == rank:
             z_ref = zr
-    loss.backward()
+    ref_loss.backward()
 
     errors = {"output": rel_err(z, z_ref), "grad_x": rel_err(x.grad, xs[rank].grad)}
+    # The first layer's choice against the reference's, on the same tokens (rounded as the layer saw them).
+    want_idx, _ = dense_route(x.detach().reshape(-1, cfg.hidden), dense[0].router, cfg.topk, cfg.router,
+                              expert_bias=biases[0])
+    got_idx = layers[0].last_topk_idx
+    errors["choice0"] = float((want_idx.sort(-1).values != got_idx.sort(-1).values).any(-1).float().mean())
     for i, (layer, weights) in enumerate(zip(layers, dense)):
-        router_grad = layer.router.weight.grad.clone()
-        dist.all_reduce(router_grad)  # each rank's router gradient covers its own tokens only
-        errors[f"grad_router{i}"] = rel_err(router_grad, weights.router.grad)
+        replicated = [("router", layer.router.weight, weights.router)]
+        if layer.shared_w_gate_up is not None:
+            replicated += [("shared_w_gate_up", layer.shared_w_gate_up, weights.shared_w_gate_up),
+                           ("shared_w_down", layer.shared_w_down, weights.shared_w_down)]
+        for name, param, want in replicated:
+            grad = param.grad.clone()
+            dist.all_reduce(grad)  # each rank's gradient of a replicated weight covers its own tokens only
+            errors[f"grad_{name}{i}"] = rel_err(grad, want.grad)
         errors[f"grad_w_gate_up{i}"] = rel_err(layer.w_gate_up.grad, weights.w_gate_up.grad[lo:hi])
         errors[f"grad_w_down{i}"] = rel_err(layer.w_down.grad, weights.w_down.grad[lo:hi])
         same = torch.equal(layer.w_gate_up.detach().float(), weights.w_gate_up.detach()[lo:hi])
         errors[f"weights_match{i}"] = 0.0 if same else 1.0
+        if losses[rank][i] is not None:
+            errors[f"aux_loss{i}"] = rel_err(layer.aux_loss, losses[rank][i])
+        if layer.pending_load is not None:
+            counted = torch.equal(layer.pending_load, expert_counts(routings[i][rank].to(device), cfg.num_experts))
+            errors[f"pending_load{i}"] = 0.0 if counted else 1.0
     disp.check()
     return errors
 

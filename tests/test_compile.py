@@ -141,3 +141,55 @@ def test_compiled_model_with_moe_layers_equals_eager():
     for result in run_ranks(_compiled_model_rank, 2, timeout_s=600):
         assert (result["graphs"], result["breaks"]) == (1, 0), result
         assert len(result["errors"]) == 1 + 2 + 2 * 3 and max(result["errors"]) < 1e-5, result
+
+
+class _BalancedMoeBlock(torch.nn.Module):
+    """A residual MoELayer with every routing and balancing feature and shared experts, on [B, S, H] batches
+    (one layer: inductor's C++ compile of each costs tens of seconds on the CPU)."""
+
+    def __init__(self, dispatcher) -> None:
+        super().__init__()
+        self.moe = torch.nn.ModuleList([moe_comm.MoELayer(dispatcher.config, 16, dispatcher=dispatcher, seed=1,
+                                                          shared_ffn_hidden=8)])
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        for layer in self.moe:
+            x = x + layer(x)
+        return x, moe_comm.moe_aux_loss(self)
+
+
+def _compiled_balanced_rank(rank: int, world_size: int) -> dict:
+    # 2 sequences of 12 tokens: 24 > max_tokens_per_rank (16), so each layer sends 2 batch slices.
+    x = torch.randn(2, 12, HIDDEN, generator=torch.Generator().manual_seed(rank))
+    router = dict(score="sigmoid", n_group=4, topk_group=2, routed_scaling_factor=2.5, bias_update_rate=0.01,
+                  aux_loss_coef=0.1, seq_aux_loss_coef=0.05, z_loss_coef=0.01)
+    with moe_comm.Dispatcher(_config(router=router)) as disp:
+        model = _BalancedMoeBlock(disp)
+        for i, layer in enumerate(model.moe):
+            layer.expert_bias.copy_(torch.randn(EXPERTS, generator=torch.Generator().manual_seed(20 + i)) * 0.2)
+
+        def run(forward) -> list[torch.Tensor]:
+            model.zero_grad()
+            for layer in model.moe:
+                layer.pending_load.zero_()
+            z, aux = forward(x)
+            ((z * z).sum() + aux).backward()
+            return ([z.detach(), aux.detach()] + [p.grad.clone() for p in model.parameters()]
+                    + [layer.pending_load.clone() for layer in model.moe])
+
+        eager = run(model)
+        explain = torch._dynamo.explain(model)(x)
+        compiled = run(torch.compile(model, fullgraph=True))
+        disp.check()
+    return {"graphs": explain.graph_count, "breaks": explain.graph_break_count,
+            "errors": [((a.float() - b.float()).abs().max() / a.float().abs().max()).item()
+                       for a, b in zip(eager, compiled)]}
+
+
+def test_compiled_balanced_model_equals_eager():
+    # Sigmoid group-limited routing with a selection bias, every balancing loss, shared experts and
+    # batches sent in slices compile into one graph: output, the summed losses, every parameter's gradient
+    # (routers, shared and routed experts) and the loads accumulated in place for the bias update.
+    for result in run_ranks(_compiled_balanced_rank, 2, timeout_s=600):
+        assert (result["graphs"], result["breaks"]) == (1, 0), result
+        assert len(result["errors"]) == 2 + 5 + 1 and max(result["errors"]) < 1e-5, result

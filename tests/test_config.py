@@ -39,6 +39,8 @@ def test_yaml_file_dict_and_overrides(tmp_path):
     # A section override merges key by key with the source's section.
     merged = load_config({"nvshmem": {"heap_size_mb": 512}}, nvshmem={"transport": "put"})
     assert (merged.nvshmem.transport, merged.nvshmem.heap_size_mb) == ("put", 512)
+    router = load_config({"router": {"score": "sigmoid"}}, router={"n_group": 4, "topk_group": 2}).router
+    assert (router.score, router.n_group, router.topk_group, router.renormalize) == ("sigmoid", 4, 2, True)
     assert cfg.torch_dtype is torch.bfloat16
     assert load_config(cfg.to_dict()) == cfg
 
@@ -69,6 +71,18 @@ def test_yaml_file_dict_and_overrides(tmp_path):
         ({"nvshmem": {"transport": "ib"}}, "'nvshmem.transport'"),
         ({"nvshmem": {"heap_size_mb": 0}}, "'nvshmem.heap_size_mb'"),
         ({"nccl": "collective"}, "'nccl': got 'collective'"),
+        ({"router": {"score": "tanh"}}, "'router.score': got 'tanh'"),
+        ({"router": {"scores": "softmax"}}, "'router.scores' is unknown"),
+        ({"router": {"score": "sigmoid", "softmax_after_topk": True}}, "'router.softmax_after_topk'"),
+        ({"router": {"renormalize": 1}}, "'router.renormalize': got 1"),
+        ({"router": {"routed_scaling_factor": 0}}, "'router.routed_scaling_factor': got 0"),
+        ({"router": {"n_group": 3}}, "'router.n_group': got 3, expected a divisor of num_experts (16)"),
+        ({"router": {"n_group": 4, "topk_group": 5}}, "'router.topk_group': got 5, expected at most router.n_group"),
+        ({"router": {"n_group": 8, "topk_group": 1}}, "'router.topk_group': got 1, expected enough groups for topk (4)"),
+        ({"router": {"aux_loss_coef": -0.1}}, "'router.aux_loss_coef': got -0.1"),
+        ({"router": {"seq_aux_loss_coef": float("inf")}}, "'router.seq_aux_loss_coef'"),
+        ({"router": {"z_loss_coef": "1e-3"}}, "'router.z_loss_coef'"),
+        ({"router": {"bias_update_rate": -1}}, "'router.bias_update_rate'"),
     ],
 )
 def test_bad_values_name_the_key(overrides, fragment):
@@ -109,6 +123,11 @@ def test_world_dependent_values():
     # Capacity 5 rounds up to 8 rows per expert.
     capped = load_config(cfg.to_dict(), expert_capacity=5)
     assert capped.capacity_rows(2) == 6 * 8
+
+
+def test_config_is_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        load_config().hidden = 7
 
 
 def test_public_names():

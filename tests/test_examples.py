@@ -23,13 +23,19 @@ def _run(*args: str) -> subprocess.CompletedProcess:
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
 
 
-def test_train_tiny_moe_loss_goes_down():
-    steps = 10
-    result = _run("--steps", str(steps))
+def test_train_tiny_moe_loss_and_load_spread_go_down():
+    # Load balancing is on by default (aux loss and expert bias): the busiest expert's load over the
+    # mean falls from the first 5 steps to the last 5 (1.25 -> 1.11 at seed 0 on 2 CPU ranks; seeds
+    # 1-3 end 0.08-0.26 lower), while the loss falls too.
+    steps = 20
+    result = _run("--steps", str(steps), "--seed", "0")
     assert result.returncode == 0, result.stdout + result.stderr
     progress = [line for line in result.stdout.splitlines() if line.startswith("step ")]
     assert len(progress) == steps and progress[-1].startswith(f"step   {steps}/{steps}")
     assert "went down" in result.stdout
+    assert "aux loss 0.01, bias rate 0.01" in result.stdout
+    spread = [line for line in result.stdout.splitlines() if "load spread" in line]
+    assert len(spread) == 1 and spread[0].endswith(": fell"), result.stdout
 
 
 def _load_example():
@@ -49,6 +55,17 @@ def test_train_tiny_moe_judges_the_loss():
     assert not judge([4.0, 4.0, 4.0] + [float("nan")] * 3, 0.1)[1]
 
 
+def test_train_tiny_moe_load_spread():
+    example = _load_example()
+    even, skewed = [[[4, 4, 4, 4]]], [[[8, 4, 2, 2]]]
+    assert example.load_spread(even) == 1.0 and example.load_spread(skewed) == 2.0
+    # Summed over the steps first: two opposite skews make an even load.
+    assert example.load_spread([[[8, 0]], [[0, 8]]]) == 1.0
+    summary, fell = example.spread_summary(skewed * 5 + even * 5)
+    assert fell and "2.000 (first 5 steps) -> 1.000 (last 5): fell" in summary
+    assert not example.spread_summary(even * 10)[1]
+
+
 def test_train_tiny_moe_refuses_bad_options():
     main = _load_example().main
     assert main(["--backend", "reference", "--graph"]) == 2  # no GPUs here (or reference backend)
@@ -56,6 +73,7 @@ def test_train_tiny_moe_refuses_bad_options():
     assert main(["--backend", "reference", "--seq-len", "7"]) == 2
     assert main(["--backend", "reference", "--world-size", "-1"]) == 2
     assert main(["--backend", "reference", "--world-size", "3"]) == 2  # 8 experts do not split over 3 ranks
+    assert main(["--backend", "reference", "--aux-loss-coef", "-1"]) == 2  # the config's error, in one line
 
 
 def test_torchrun_step_runs_on_cpu_ranks():

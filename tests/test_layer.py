@@ -16,30 +16,47 @@ from moe_comm.experts import (
     sliced_experts,
     swiglu,
 )
-from moe_comm.layer import MoELayer, MoEWeights, route
-from moe_comm.reference import build_dense_weights, dense_forward
-from layer_checks import BASE, FFN, TOLERANCE, assert_within, layer_errors
+from moe_comm.layer import MoELayer, MoEWeights, moe_aux_loss, route, update_expert_biases
+from moe_comm.reference import build_dense_weights, dense_forward, dense_route
+from layer_checks import BASE, FFN, TOLERANCE, assert_within, gather, layer_errors
 from multirank import run_ranks
 
-# Scenario name -> (config overrides, renormalize, token shape, number of stacked layers).
+# DeepSeek-V3's router on 8 experts: sigmoid scores, 4 groups of 2 of which each token keeps 2,
+# a selection bias (aux-loss-free balancing), renormalised weights scaled by 2.5.
+DEEPSEEK_ROUTER = dict(score="sigmoid", n_group=4, topk_group=2, routed_scaling_factor=2.5, bias_update_rate=0.01)
+LOSSES = dict(aux_loss_coef=0.1, seq_aux_loss_coef=0.05, z_loss_coef=0.01)
+
+# Scenario name -> (config overrides, renormalize, token shape, number of stacked layers, shared_ffn_hidden).
+# BASE has max_tokens_per_rank 16: a shape of more tokens is sent in batch slices.
 SCENARIOS = {
     # float32 end to end: the layer must match the reference to rounding.
-    "float32": (dict(dtype="float32"), True, (16,), 1),
+    "float32": (dict(dtype="float32"), True, (16,), 1, None),
     # renormalize=False takes the other router path; [2, 5, H] input checks token flattening.
-    "float32_raw_weights_3d": (dict(dtype="float32"), False, (2, 5), 1),
+    "float32_raw_weights_3d": (dict(dtype="float32"), False, (2, 5), 1, None),
     # two layers sharing one Dispatcher, stacked: handles of one dispatcher across layers,
     # and gradients flowing through two dispatch/combine pairs.
-    "float32_shared_dispatcher": (dict(dtype="float32"), True, (12,), 2),
+    "float32_shared_dispatcher": (dict(dtype="float32"), True, (12,), 2, None),
     # bf16 is what GPUs run: the layer rounds to bf16 where the float32 reference does not.
     # experts: loop named explicitly (auto resolves to it on CPU as well).
-    "bfloat16": (dict(dtype="bfloat16", experts="loop"), True, (16,), 1),
+    "bfloat16": (dict(dtype="bfloat16", experts="loop"), True, (16,), 1, None),
+    # Router variants (renormalize None: the config's router section decides).
+    "deepseek_router": (dict(dtype="float32", num_experts=8, router=DEEPSEEK_ROUTER), None, (16,), 2, None),
+    "softmax_after_topk_raw": (dict(dtype="float32", router=dict(softmax_after_topk=True, renormalize=False)),
+                               None, (16,), 1, None),
+    # Every balancing loss in the training loss, over [2, 20, H]: 40 tokens in 3 batch slices, two sequences.
+    "losses_sliced": (dict(dtype="float32", router=LOSSES), None, (2, 20), 2, None),
+    "shared_experts": (dict(dtype="float32"), None, (12,), 2, 16),
+    # Everything at once, in bf16: 24 tokens (2 batch slices) of 3 sequences.
+    "bfloat16_all_features": (dict(dtype="bfloat16", num_experts=8, router={**DEEPSEEK_ROUTER, **LOSSES}),
+                              None, (3, 8), 2, 16),
 }
 
 
-def _scenario(rank, world_size, backend, overrides, renormalize, shape, num_layers):
-    cfg = load_config(None, backend=backend, **BASE, **overrides)
+def _scenario(rank, world_size, backend, overrides, renormalize, shape, num_layers, shared_ffn_hidden):
+    cfg = load_config(None, backend=backend, **{**BASE, **overrides})
     with Dispatcher(cfg) as disp:
-        return layer_errors(disp, rank, world_size, renormalize, shape, num_layers)
+        return layer_errors(disp, rank, world_size, renormalize, shape, num_layers,
+                            shared_ffn_hidden=shared_ffn_hidden)
 
 
 def _argument_errors(rank, world_size, backend):
@@ -67,13 +84,18 @@ def _argument_errors(rank, world_size, backend):
     return messages
 
 
-def _random_weights(cfg, seed: int) -> MoEWeights:
-    """Every expert's weights, the same on every rank (as a checkpoint would give them)."""
+SHARED = 8  # the shared experts' width in the weights-loading checks
+
+
+def _random_weights(cfg, seed: int, shared: bool = False) -> MoEWeights:
+    """Every expert's weights (and shared experts' if ``shared``), the same on every rank (as a checkpoint gives them)."""
     gen = torch.Generator().manual_seed(seed)
     experts, hidden = cfg.num_experts, cfg.hidden
     return MoEWeights(router=torch.randn(experts, hidden, generator=gen) / hidden**0.5,
                       w_gate_up=torch.randn(experts, hidden, 2 * FFN, generator=gen) / hidden**0.5,
-                      w_down=torch.randn(experts, FFN, hidden, generator=gen) / FFN**0.5)
+                      w_down=torch.randn(experts, FFN, hidden, generator=gen) / FFN**0.5,
+                      shared_w_gate_up=torch.randn(hidden, 2 * SHARED, generator=gen) / hidden**0.5 if shared else None,
+                      shared_w_down=torch.randn(SHARED, hidden, generator=gen) / SHARED**0.5 if shared else None)
 
 
 def _given_weights(rank, world_size, backend):
@@ -86,6 +108,11 @@ def _given_weights(rank, world_size, backend):
         for local in (False, True):
             results[f"given_{'local' if local else 'global'}"] = layer_errors(
                 disp, rank, world_size, True, (10,), 2, given=given, local=local)
+        with_shared = [_random_weights(cfg, 50 + i, shared=True) for i in range(2)]
+        results["given_shared"] = layer_errors(disp, rank, world_size, True, (10,), 2, given=with_shared, local=True)
+        shared_layer = MoELayer(cfg, dispatcher=disp, weights=with_shared[0])
+        results["shared_width"] = shared_layer.shared_ffn_hidden
+        results["shared_state"] = sorted(k for k in shared_layer.state_dict() if k.startswith("shared"))
         layer = MoELayer(cfg, dispatcher=disp, weights=given[0])
         state = layer.state_dict()
         results["expert_ids"] = state["expert_ids"].tolist()
@@ -102,12 +129,65 @@ def _given_weights(rank, world_size, backend):
             "router_shape": lambda: MoELayer(cfg, dispatcher=disp, weights=MoEWeights(
                 given[0].router.t(), given[0].w_gate_up, given[0].w_down)),
             "not_weights": lambda: MoELayer(cfg, dispatcher=disp, weights={"router": given[0].router}),
+            "shared_missing": lambda: MoELayer(cfg, dispatcher=disp, weights=given[0], shared_ffn_hidden=SHARED),
+            "shared_width": lambda: MoELayer(cfg, dispatcher=disp, weights=with_shared[0], shared_ffn_hidden=SHARED + 1),
+            "shared_bad": lambda: MoELayer(cfg, FFN, dispatcher=disp, shared_ffn_hidden=0),
+            "renormalize_bad": lambda: MoELayer(cfg, FFN, dispatcher=disp, renormalize="yes"),
         }.items():
             try:
                 build()
             except ConfigError as exc:
                 messages[name] = str(exc)
         results["weight_errors"] = messages
+    return results
+
+
+def _balancing_state(rank, world_size, backend):
+    """The per-expert loads, the aux-loss-free bias update and the model-level helpers on two layers
+    with batches sent in slices, against counts of the gathered routings; and what eval mode leaves alone."""
+    cfg = load_config(None, backend=backend, dtype="float32", **{**BASE, "num_experts": 8},
+                      router=dict(bias_update_rate=0.05, aux_loss_coef=0.01))
+    rate = cfg.router.bias_update_rate
+    results = {}
+    with Dispatcher(cfg) as disp:
+        model = torch.nn.Sequential(*(MoELayer(cfg, FFN, dispatcher=disp, seed=s) for s in (1, 2)))
+        gen = torch.Generator().manual_seed(50 + rank)
+        lo, hi = rank * disp.num_local_experts, (rank + 1) * disp.num_local_experts
+        loads = [torch.zeros(cfg.num_experts, dtype=torch.int64) for _ in model]
+        received_ok = True
+        for _ in range(2):
+            model(torch.randn(20, cfg.hidden, generator=gen))  # 20 tokens > max_tokens_per_rank: 2 batch slices
+            for i, layer in enumerate(model):
+                per_rank = gather(world_size, layer.expert_load)
+                total = sum(per_rank)
+                loads[i] += total
+                # The rows this rank's experts received: every rank's assignments to them.
+                received_ok &= torch.equal(layer.last_tokens_per_expert.long(), total[lo:hi])
+                counted = torch.bincount(layer.last_topk_idx.reshape(-1), minlength=cfg.num_experts)
+                received_ok &= torch.equal(per_rank[rank], counted)
+        results["received_ok"] = received_ok
+        results["aux_sum"] = float((moe_aux_loss(model) - (model[0].aux_loss + model[1].aux_loss)).detach())
+        update_expert_biases(model)
+        results["bias_ok"] = all(
+            torch.equal(layer.expert_bias, rate * torch.sign(load.float().mean() - load.float()))
+            for layer, load in zip(model, loads))
+        results["biases"] = [layer.expert_bias.clone() for layer in model]
+        results["pending_zero"] = all(int(layer.pending_load.abs().sum()) == 0 for layer in model)
+        results["state_keys"] = sorted(k for k in model[0].state_dict() if k.startswith(("expert_bias", "pending")))
+        # The bias chooses the experts: a forward now picks as the reference does with it.
+        model.eval()
+        x = torch.randn(16, cfg.hidden, generator=gen)
+        model(x)
+        results["eval"] = (model[0].aux_loss, moe_aux_loss(model), int(model[0].pending_load.abs().sum()))
+        want, _ = dense_route(x, model[0].router.weight.detach(), cfg.topk, cfg.router,
+                              expert_bias=model[0].expert_bias)
+        results["biased_choice_ok"] = torch.equal(want.sort(-1).values, model[0].last_topk_idx.sort(-1).values)
+        plain = MoELayer(load_config(cfg.to_dict(), router={"bias_update_rate": 0.0}), FFN)
+        try:
+            plain.update_expert_bias()
+        except ConfigError as exc:
+            results["no_bias_error"] = str(exc)
+        plain.close()
     return results
 
 
@@ -121,13 +201,14 @@ def _all_scenarios(rank, world_size, backend, names):
     results["errors"] = _argument_errors(rank, world_size, backend)
     results["repr"] = _layer_repr(backend)
     results["weights"] = _given_weights(rank, world_size, backend)
+    results["balancing"] = _balancing_state(rank, world_size, backend)
     return results
 
 
 def _check(per_rank: list, names) -> None:
     for rank, results in enumerate(per_rank):
         for name in names:
-            dtype = load_config(None, **SCENARIOS[name][0]).torch_dtype
+            dtype = load_config(None, **{**BASE, **SCENARIOS[name][0]}).torch_dtype
             assert_within(results[name], TOLERANCE[dtype], f"rank {rank}, scenario {name}")
         messages = results["errors"]
         assert "hidden" in messages["bad_hidden"] and "33" in messages["bad_hidden"]
@@ -141,8 +222,10 @@ def _check(per_rank: list, names) -> None:
                f"rank={rank}/{world_size}" in layer_repr, layer_repr
         assert "expert_impl='loop'" in layer_repr and " experts=" not in layer_repr, layer_repr
         weights = results["weights"]
-        for name in ("given_global", "given_local"):
+        for name in ("given_global", "given_local", "given_shared"):
             assert_within(weights[name], TOLERANCE[torch.float32], f"rank {rank}, {name}")
+        assert weights["shared_width"] == SHARED
+        assert weights["shared_state"] == ["shared_w_down", "shared_w_gate_up"]
         local = BASE["num_experts"] // world_size
         assert weights["expert_ids"] == list(range(rank * local, (rank + 1) * local))
         assert weights["round_trip"]
@@ -152,6 +235,19 @@ def _check(per_rank: list, names) -> None:
         assert "weights.w_gate_up" in errors["ffn_mismatch"] and f"2 * {FFN + 1}" not in errors["ffn_mismatch"]
         assert "weights.router" in errors["router_shape"] and "[4, 32]" in errors["router_shape"]
         assert "MoEWeights" in errors["not_weights"]
+        assert "weights.shared_w_gate_up" in errors["shared_missing"] and "got None" in errors["shared_missing"]
+        assert "weights.shared_w_gate_up" in errors["shared_width"] and f"[32, {2 * (SHARED + 1)}]" in errors["shared_width"]
+        assert "shared_ffn_hidden: got 0" in errors["shared_bad"]
+        assert "renormalize: got 'yes'" in errors["renormalize_bad"]
+        balancing = results["balancing"]
+        assert balancing["received_ok"] and balancing["bias_ok"] and balancing["pending_zero"], balancing
+        assert balancing["aux_sum"] == 0.0
+        assert balancing["state_keys"] == ["expert_bias"]  # the pending load is not saved
+        assert balancing["eval"] == (None, 0.0, 0), balancing["eval"]  # eval mode: no loss, no load counted
+        assert balancing["biased_choice_ok"]
+        assert "'router.bias_update_rate' is 0" in balancing["no_bias_error"]
+        for mine, first in zip(balancing["biases"], per_rank[0]["balancing"]["biases"]):
+            assert torch.equal(mine, first), "the expert bias must stay the same on every rank"
 
 
 # World 1 keeps every expert local (no exchange); world 2 moves tokens between ranks. One
