@@ -20,7 +20,7 @@ from torch import nn
 
 import moe_comm
 from moe_comm.layer import MoELayer
-from gpu_backends import dist_backend_for
+from gpu_backends import dist_backend_for, gpus_needed
 from layer_checks import BASE, FFN, TOLERANCE, assert_within, layer_errors, rel_err
 from multirank import run_ranks
 
@@ -175,8 +175,8 @@ def _rank_main(rank: int, world: int) -> dict:
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_balancing_features_on_vmm(world, requires_gpus):
-    gpus = requires_gpus(1)
-    dist_backend = dist_backend_for("vmm", world, gpus)
+    gpus = requires_gpus(gpus_needed("vmm", world))
+    dist_backend = dist_backend_for(world, gpus)
     per_rank = run_ranks(_rank_main, world, dist_backend=dist_backend, gpu=True, timeout_s=300)
     for rank, results in enumerate(per_rank):
         for (name, check), errors in results.items():
