@@ -65,9 +65,12 @@ class BenchOptions:
 
     tokens: tokens per rank of the workloads. routings: ``uniform`` (``topk(abs(randn) + 1)``)
     and/or ``skewed`` (a few hot experts). hidden, num_experts, topk, dtype: the model shape.
-    backend: moe_comm's backend. num_sms: its SM budget. repeats: timed measurements per median.
+    backend: moe_comm's backend. num_sms: its senders. sm_budget: the SMs of every kernel (None:
+    the whole device). repeats: timed measurements per median.
     warmup: untimed runs first. baselines: also run the all-to-all baselines (CUDA only).
-    sms_sweep / sweep_tokens: ``num_sms`` values timed (graph-replayed, uniform routing) at these T.
+    budget_sweep / sweep_tokens: ``sm_budget`` values timed (graph-replayed, uniform routing) at these T.
+    overlap_budgets / overlap_tokens: ``sm_budget`` values at which dispatch+combine runs beside a
+    bf16 GEMM of ``overlap_gemm`` cubed on another stream (see :func:`_measure_overlap`), at this T.
     """
 
     tokens: tuple = (1, 32, 128, 512, 1024, 4096)
@@ -78,11 +81,15 @@ class BenchOptions:
     dtype: str = "bfloat16"
     backend: str = "auto"
     num_sms: int = 24
+    sm_budget: Optional[int] = None
     repeats: int = 50
     warmup: int = 5
     baselines: bool = True
-    sms_sweep: tuple = ()
+    budget_sweep: tuple = ()
     sweep_tokens: tuple = (128, 4096)
+    overlap_budgets: tuple = ()
+    overlap_tokens: int = 4096
+    overlap_gemm: int = 8192
 
 
 @dataclass
@@ -99,6 +106,7 @@ class Row:
     cross_gbps: Optional[float] = None
     received_gbps: Optional[float] = None
     num_sms: Optional[int] = None
+    sm_budget: Optional[int] = None
     note: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -227,12 +235,17 @@ def _moe_comm_step(disp: Dispatcher, inputs: tuple) -> torch.Tensor:
     return disp.combine(out.x, out.handle)
 
 
-def _measure_moe_comm(options: BenchOptions, work: _Workload, group, num_sms: int, graphs: bool) -> dict:
-    """Times (per mode), the combine error and the bytes of one workload on moe_comm."""
-    cfg = load_config(
+def _config(options: BenchOptions, work: _Workload, sm_budget: Optional[int]):
+    return load_config(
         None, backend=options.backend, num_experts=options.num_experts, topk=options.topk, hidden=options.hidden,
-        max_tokens_per_rank=max(work.static[0].shape[0], 1), dtype=options.dtype, num_sms=num_sms,
+        max_tokens_per_rank=max(work.static[0].shape[0], 1), dtype=options.dtype, num_sms=options.num_sms,
+        sm_budget=sm_budget,
     )
+
+
+def _measure_moe_comm(options: BenchOptions, work: _Workload, group, sm_budget: Optional[int], graphs: bool) -> dict:
+    """Times (per mode), the combine error and the bytes of one workload on moe_comm."""
+    cfg = _config(options, work, sm_budget)
     result = {}
     with Dispatcher(cfg, group=group) as disp:
         timer = _Timer(disp.device, group, options.repeats, options.warmup)
@@ -315,8 +328,60 @@ def _measure_baseline(baseline, options: BenchOptions, work: _Workload, device: 
     return result
 
 
+def _measure_overlap(options: BenchOptions, work: _Workload, group, sm_budget: int) -> Row:
+    """Dispatch+combine (one CUDA graph) on a communication stream beside a bf16 GEMM on the compute
+    stream, both issued together: each alone, both, and the share of the shorter one hidden,
+    ``(comm + gemm - both) / min(comm, gemm)`` (1: fully hidden, 0: serial, < 0: slower than serial).
+
+    NOTE: cuBLAS is asked to leave ``sm_budget`` SMs to the communication
+    (``torch._C._set_sm_carveout_experimental``, where torch has it; the GEMM-alone time is taken
+    with the same carveout), as overlapped training schedules do; otherwise its kernels take every SM.
+    """
+    device = work.static[0].device
+    gen = torch.Generator().manual_seed(5)
+    size = options.overlap_gemm
+    a, b = (torch.randn(size, size, generator=gen).to(device, torch.bfloat16) for _ in range(2))
+    carveout = getattr(torch._C, "_set_sm_carveout_experimental", None)
+    previous = torch._C._get_sm_carveout_experimental() if carveout else None
+    with Dispatcher(_config(options, work, sm_budget), group=group) as disp:
+        timer = _Timer(device, group, options.repeats, options.warmup)
+        _moe_comm_step(disp, work.static)
+        comm_graph, _ = _graph(device, lambda: _moe_comm_step(disp, work.static))
+        comm = torch.cuda.Stream(device)
+
+        def gemm() -> None:
+            torch.mm(a, b)
+
+        def both() -> None:
+            compute = torch.cuda.current_stream()
+            comm.wait_stream(compute)
+            with torch.cuda.stream(comm):
+                comm_graph.replay()
+            gemm()
+            compute.wait_stream(comm)
+
+        try:
+            if carveout:
+                carveout(sm_budget)
+            gemm()
+            times = {
+                "comm_us": timer.median_us(comm_graph.replay, work.load, replay=True),
+                "gemm_us": timer.median_us(gemm, _no_prepare, replay=True),
+                "both_us": timer.median_us(both, work.load, replay=True),
+            }
+        finally:
+            if carveout:
+                carveout(previous)
+        disp.check()
+    shorter = min(times["comm_us"], times["gemm_us"])
+    times["hidden"] = (times["comm_us"] + times["gemm_us"] - times["both_us"]) / shorter
+    note = f"GEMM {size}^3 bf16" + (f", cuBLAS carveout {sm_budget} SMs" if carveout else ", no cuBLAS carveout")
+    return Row(system="overlap", mode="graph", tokens=work.static[0].shape[0], routing="uniform",
+               total_us=times["both_us"], num_sms=options.num_sms, sm_budget=sm_budget, note=note, extra=times)
+
+
 def _rows(system: str, measured: dict, num_tokens: int, routing: str, num_sms: Optional[int],
-          cross_bytes: float, received_bytes: float) -> list[Row]:
+          cross_bytes: float, received_bytes: float, sm_budget: Optional[int] = None) -> list[Row]:
     rows = []
     for mode in ("eager", "graph"):
         if mode not in measured:
@@ -324,7 +389,7 @@ def _rows(system: str, measured: dict, num_tokens: int, routing: str, num_sms: O
         times = measured[mode]
         dispatch_us = times["dispatch_us"]
         rows.append(Row(
-            system=system, mode=mode, tokens=num_tokens, routing=routing, num_sms=num_sms,
+            system=system, mode=mode, tokens=num_tokens, routing=routing, num_sms=num_sms, sm_budget=sm_budget,
             cross_gbps=cross_bytes / (dispatch_us * 1e3) if cross_bytes and dispatch_us else None,
             received_gbps=received_bytes / (dispatch_us * 1e3) if received_bytes and dispatch_us else None,
             note=measured.get("note", ""), extra={"combine_error": measured["error"]}, **times,
@@ -382,9 +447,9 @@ def bench_rank(rank: int, world_size: int, options: BenchOptions) -> list[dict]:
     for routing in options.routings:
         for num_tokens in options.tokens:
             work = _Workload(options, num_tokens, routing, rank, device)
-            moe = _measure_moe_comm(options, work, group, options.num_sms, graphs=True)
+            moe = _measure_moe_comm(options, work, group, options.sm_budget, graphs=True)
             rows += _rows("moe_comm", moe, num_tokens, routing, options.num_sms,
-                          moe["cross_bytes"], moe["received_bytes"])
+                          moe["cross_bytes"], moe["received_bytes"], options.sm_budget)
             if options.baselines and device.type == "cuda":
                 # The baselines move every assignment (no dedup): bytes are those moe_comm moves at best,
                 # so their bandwidth columns stay empty rather than compare unlike quantities.
@@ -398,15 +463,18 @@ def bench_rank(rank: int, world_size: int, options: BenchOptions) -> list[dict]:
                 rows += _symm_baseline_rows(symm_state, options, work, device, group, num_tokens, routing)
             if rank == 0:
                 print(f"moe-comm bench: {routing} T={num_tokens} done", file=sys.stderr, flush=True)
-    for num_tokens in options.sweep_tokens if options.sms_sweep else ():
+    for num_tokens in options.sweep_tokens if options.budget_sweep else ():
         work = _Workload(options, num_tokens, "uniform", rank, device)
-        for num_sms in options.sms_sweep:
-            moe = _measure_moe_comm(options, work, group, num_sms, graphs=True)
+        for budget in options.budget_sweep:
+            moe = _measure_moe_comm(options, work, group, budget, graphs=True)
             swept = _rows("moe_comm", {k: v for k, v in moe.items() if k != "eager"}, num_tokens, "uniform",
-                          num_sms, moe["cross_bytes"], moe["received_bytes"])
+                          options.num_sms, moe["cross_bytes"], moe["received_bytes"], budget)
             for row in swept:
-                row.mode = "graph (num_sms sweep)"
+                row.mode = "graph (sm_budget sweep)"
             rows += swept
+    if options.overlap_budgets and device.type == "cuda":
+        work = _Workload(options, options.overlap_tokens, "uniform", rank, device)
+        rows += [_measure_overlap(options, work, group, budget) for budget in options.overlap_budgets]
     return _average_over_ranks([asdict(row) for row in rows], rank, world_size, group)
 
 
@@ -435,19 +503,33 @@ def _cell(value: Optional[float], digits: int = 1) -> str:
 def markdown_table(rows: list[dict]) -> str:
     """The results as a markdown table (one line per system, mode and workload)."""
     lines = [
-        "| system | mode | routing | T | num_sms | dispatch us | combine us | dispatch+combine us | "
+        "| system | mode | routing | T | num_sms | sm_budget | dispatch us | combine us | dispatch+combine us | "
         "dispatch GB/s (cross-link) | dispatch GB/s (received) | combine rel. error | note |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    overlap = [row for row in rows if row["system"] == "overlap"]
     for row in rows:
+        if row["system"] == "overlap":
+            continue
         error = row["extra"]["combine_error"]
         note = row.get("note", "").replace("|", "/").replace("\n", " ")
         lines.append(
             f"| {row['system']} | {row['mode']} | {row['routing']} | {row['tokens']} | {row['num_sms'] or '-'} | "
+            f"{row.get('sm_budget') or 'all'} | "
             f"{_cell(row['dispatch_us'])} | {_cell(row['combine_us'])} | {_cell(row['total_us'])} | "
             f"{_cell(row['cross_gbps'])} | {_cell(row['received_gbps'])} | "
             f"{'-' if error is None else f'{error:.1e}'} | {note} |"
         )
+    if overlap:
+        lines += [
+            "", "Overlap: dispatch+combine (one graph) on a communication stream beside a GEMM on the compute stream",
+            "", "| T | sm_budget | comm alone us | GEMM alone us | both us | shorter job hidden | note |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for row in overlap:
+            t = row["extra"]
+            lines.append(f"| {row['tokens']} | {row['sm_budget']} | {_cell(t['comm_us'])} | {_cell(t['gemm_us'])} | "
+                         f"{_cell(t['both_us'])} | {100 * t['hidden']:.0f}% | {row['note']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -472,7 +554,8 @@ def write_results(rows: list[dict], meta: dict, out_dir: Path, name: str) -> lis
     figure, axis = plt.subplots(figsize=(8, 5))
     lines: dict = {}
     for row in rows:
-        if row["routing"] == "uniform" and "sweep" not in row["mode"] and row["total_us"] is not None:
+        if (row["routing"] == "uniform" and "sweep" not in row["mode"] and row["system"] != "overlap"
+                and row["total_us"] is not None):
             lines.setdefault(f"{row['system']} ({row['mode']})", []).append((row["tokens"], row["total_us"]))
     for label, points in sorted(lines.items()):
         points.sort()
@@ -496,6 +579,7 @@ def write_results(rows: list[dict], meta: dict, out_dir: Path, name: str) -> lis
 # (hidden 7168, 256 experts, T up to 4096, two routings) took over 12 minutes there.
 _CPU_WORKLOAD = {"tokens": (1, 32, 128), "routings": ("uniform",), "hidden": 1024, "num_experts": 16, "topk": 4,
                  "repeats": 10}
+_OVERLAP_BUDGETS = (132, 64, 24, 16, 8, 4)
 _WORKLOAD_FLAGS = {"tokens": "--tokens", "routings": "--routing", "hidden": "--hidden", "num_experts": "--experts",
                    "topk": "--topk", "repeats": "--repeats"}
 
@@ -518,7 +602,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-sms", type=int, default=defaults.num_sms)
     parser.add_argument("--repeats", type=int, help=f"timed runs per median (GPU default {defaults.repeats})")
     parser.add_argument("--no-baselines", action="store_true")
-    parser.add_argument("--sweep-sms", type=int, nargs="*", default=[], help="num_sms values to sweep")
+    parser.add_argument("--sm-budget", type=int, default=None,
+                        help="SMs of every dispatch/combine kernel (default: the whole device)")
+    parser.add_argument("--sweep-budget", type=int, nargs="*", default=[],
+                        help=f"sm_budget values to time at T = {' '.join(map(str, defaults.sweep_tokens))}")
+    parser.add_argument("--overlap", type=int, nargs="*", default=None, metavar="BUDGET",
+                        help="time dispatch+combine beside a GEMM on another stream at these sm_budget values "
+                             f"(default with no values: 132 64 24 16 8 4), T = {defaults.overlap_tokens}")
     parser.add_argument("--ranks", type=int, default=2, help="CPU ranks when there is no GPU")
     parser.add_argument("--name", default=None, help="results file name (default: from the machine)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"),
@@ -535,7 +625,9 @@ def _options(args: argparse.Namespace, gpus: int) -> BenchOptions:
         tokens=tuple(chosen["tokens"]), routings=tuple(chosen["routings"]), hidden=chosen["hidden"],
         num_experts=chosen["num_experts"], topk=chosen["topk"], backend=args.backend if gpus else "reference",
         num_sms=args.num_sms, repeats=chosen["repeats"], baselines=not args.no_baselines,
-        sms_sweep=tuple(args.sweep_sms), dtype="bfloat16" if gpus else "float32",
+        sm_budget=args.sm_budget, budget_sweep=tuple(args.sweep_budget),
+        overlap_budgets=_OVERLAP_BUDGETS if args.overlap == [] else tuple(args.overlap or ()),
+        dtype="bfloat16" if gpus else "float32",
     )
 
 
@@ -546,7 +638,9 @@ def _check_options(options: BenchOptions, world_size: int) -> None:
         ConfigError: a size does not make a valid config for ``world_size`` ranks (names the option).
     """
     for name, values in (("--tokens", options.tokens), ("--repeats", (options.repeats,)),
-                         ("--sweep-sms", options.sms_sweep), ("--num-sms", (options.num_sms,))):
+                         ("--sweep-budget", options.budget_sweep), ("--num-sms", (options.num_sms,)),
+                         ("--overlap", options.overlap_budgets),
+                         ("--sm-budget", () if options.sm_budget is None else (options.sm_budget,))):
         bad = [value for value in values if value < 1]
         if bad:
             raise ConfigError(f"{name}: got {' '.join(map(str, bad))}, expected positive integers")

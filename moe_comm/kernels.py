@@ -92,16 +92,19 @@ class CommArgs:
 class DispatchKernels:
     """Launchers of ``csrc/dispatch.cu`` for one backend (loads every entry point now).
 
-    Both kernels run one block per SM of the device (their blocks wait for each other, so all
-    must be resident at once); the first ``num_sms`` blocks push rows to peers while the others lay
-    out and expand what has landed (every block does both when ``num_sms`` covers the device).
+    Both kernels run one block per SM of their budget (their blocks wait for each other, so all
+    must be resident at once; 512 threads of up to 128 registers fill an SM, so the grid's blocks
+    land on as many SMs and the others stay free); the first ``num_sms`` blocks push rows to peers
+    while the others lay out and expand what has landed (every block does both when ``num_sms``
+    covers the budget).
 
     Args:
         device: the CUDA device (with an index). defines: :func:`kernel_defines`.
         args: the common leading arguments. regions: the symmetric allocation's regions.
         num_experts: E. num_local_experts: L. expert_alignment: A. expert_capacity: C or None.
-        capacity_rows: rows of ``out.x``. num_sms: blocks that push rows to peers.
-        device_sms: the device's SM count (the grid).
+        capacity_rows: rows of ``out.x``. num_sms: blocks that push rows to peers (at most ``grid_sms``).
+        grid_sms: the SMs the kernels may use, one block each: the config's ``sm_budget``, or the
+            device's SM count.
         toolchain: external headers of this build (:class:`moe_comm.jit.Toolchain`; NVSHMEM's for
             the put transport).
     """
@@ -119,7 +122,7 @@ class DispatchKernels:
         expert_capacity: Optional[int],
         capacity_rows: int,
         num_sms: int,
-        device_sms: int,
+        grid_sms: int,
         toolchain: jit.Toolchain = jit.Toolchain(),
     ) -> None:
         # The layout phase keeps per-warp counters of every local expert in shared memory.
@@ -132,8 +135,8 @@ class DispatchKernels:
         load = lambda entry: driver.load_function(device, "dispatch", entry, defines, toolchain=toolchain)  # noqa: E731
         self._dispatch = load("dispatch")
         self._redispatch = load("redispatch")
-        self._grid = device_sms
-        self._num_sms = min(num_sms, device_sms)
+        self._grid = grid_sms
+        self._num_sms = min(num_sms, grid_sms)
         self._send_parts = _parts_per_row(regions.row_bytes, protocol.SEND_VPL)
         prefix = args.prefix()
 
@@ -142,7 +145,7 @@ class DispatchKernels:
         slab_rows = args.world_size * args.max_tokens_per_rank
         self._layout_blocks = max(1, min(self._grid, _cdiv(slab_rows, protocol.LAYOUT_ROWS_PER_BLOCK)))
         self._block_counts = torch.zeros((self._layout_blocks, num_local_experts), dtype=torch.int32, device=device)
-        self._grid_flags = torch.zeros(2 * self._grid, dtype=torch.int64, device=device)
+        self._barrier_flags = torch.zeros(2 * self._grid, dtype=torch.int64, device=device)
         capacity = 2**31 - 1 if expert_capacity is None else min(int(expert_capacity), 2**31 - 1)
         chunk_tokens = max(protocol.MIN_CHUNK_TOKENS, _cdiv(args.max_tokens_per_rank, protocol.MAX_CHUNKS))
         # Each kernel's parameters: the ones fixed for this backend first, then the per-call ones.
@@ -150,7 +153,7 @@ class DispatchKernels:
             prefix + (
                 (regions.meta_offset, _L), (regions.recv_x_offset, _L), (num_experts, _I), (chunk_tokens, _I),
                 (num_local_experts, _I), (expert_alignment, _I), (capacity, _I),
-                (self._block_counts.data_ptr(), _P), (self._grid_flags.data_ptr(), _P), (capacity_rows, _I),
+                (self._block_counts.data_ptr(), _P), (self._barrier_flags.data_ptr(), _P), (capacity_rows, _I),
             ),
             (_I, _I, _P, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _P),
         )
@@ -207,11 +210,12 @@ class CombineKernels:
 
     Args:
         device, defines, args, regions: as for :class:`DispatchKernels`.
-        capacity_rows: rows of ``y`` (``out.x``'s layout). num_sms: blocks of the values kernels.
+        capacity_rows: rows of ``y`` (``out.x``'s layout). num_sms: blocks of the values kernels
+            (at most ``grid_sms``).
         toolchain: as for :class:`DispatchKernels`.
-        device_sms: the device's SM count: ``combine`` runs one block per SM (its blocks wait for
-            each other); it reads K expert rows per partial it sends, and bounding it to
-            ``num_sms`` made it read-bound.
+        grid_sms: as for :class:`DispatchKernels`: ``combine`` runs one block per SM of it (its
+            blocks wait for each other); it reads K expert rows per partial it sends, and bounding
+            it to ``num_sms`` made it read-bound, so only a budget bounds it.
     """
 
     def __init__(
@@ -223,7 +227,7 @@ class CombineKernels:
         *,
         capacity_rows: int,
         num_sms: int,
-        device_sms: int,
+        grid_sms: int,
         toolchain: jit.Toolchain = jit.Toolchain(),
     ) -> None:
         load = lambda entry: driver.load_function(device, "combine", entry, defines, toolchain=toolchain)  # noqa: E731
@@ -231,8 +235,8 @@ class CombineKernels:
         self._values_send = load("values_send")
         self._values_recv = load("values_recv")
         self._topk = regions.topk
-        self._num_sms = num_sms
-        self._grid = device_sms
+        self._num_sms = min(num_sms, grid_sms)
+        self._grid = grid_sms
         prefix = args.prefix()
         rows = args.world_size * args.max_tokens_per_rank
         self._combine_params = kernel_params(
@@ -240,7 +244,7 @@ class CombineKernels:
             (_P, _P, _P, _I, _P, _I, _P),
         )
         self._capacity = ((capacity_rows, _I),)
-        self._values_send_grid = max(1, min(num_sms, _cdiv(rows * regions.topk, protocol.VALUES_THREADS)))
+        self._values_send_grid = max(1, min(self._num_sms, _cdiv(rows * regions.topk, protocol.VALUES_THREADS)))
         self._values_send_const = prefix + ((regions.ret_vals_offset, _L),)
         self._values_recv_const = prefix + ((regions.ret_vals_offset, _L),)
 

@@ -145,6 +145,10 @@ def test_cpu_defaults_are_a_smoke_run_and_flags_win():
     assert bench._options(bench._parser().parse_args([]), gpus=2).tokens == BenchOptions().tokens
     given = bench._options(bench._parser().parse_args(["--tokens", "8", "--hidden", "64"]), gpus=0)
     assert (given.tokens, given.hidden, given.topk) == ((8,), 64, 4)
+    # --overlap alone takes the standard budgets; with values, those.
+    assert bench._options(bench._parser().parse_args(["--overlap"]), gpus=1).overlap_budgets == (132, 64, 24, 16, 8, 4)
+    assert bench._options(bench._parser().parse_args(["--overlap", "24"]), gpus=1).overlap_budgets == (24,)
+    assert bench._options(bench._parser().parse_args([]), gpus=1).overlap_budgets == ()
 
 
 @pytest.mark.parametrize("argv, fragment", [
@@ -152,6 +156,8 @@ def test_cpu_defaults_are_a_smoke_run_and_flags_win():
     (["--ranks", "3"], "a multiple of the world size (3)"),
     (["--ranks", "0"], "--ranks: got 0"),
     (["--tokens", "4", "0"], "--tokens: got 0"),
+    (["--sm-budget", "0"], "--sm-budget: got 0"),
+    (["--overlap", "24", "-1"], "--overlap: got -1"),
 ])
 def test_bad_workload_is_one_line_before_any_rank_starts(argv, fragment, capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # --ranks counts CPU ranks

@@ -292,6 +292,27 @@ def _chunked_scenarios(rank, world, gloo, backend: str, section: dict) -> None:
             _eager_step(dev, ref, rank, world, x, idx, weights, generator, f"chunked, T={num_tokens} (rank {rank})")
 
 
+# SM budgets: one SM (every role on one block: metadata, rows, layout, expansion), three (fewer
+# blocks than senders asked for), and the chunked rows on three (chunk flags with few senders).
+SM_BUDGETS = (1, 3)
+
+
+def _budget_scenarios(rank, world, gloo, backend: str, section: dict) -> None:
+    """Every kernel on a bounded number of SMs, eager and graph-replayed: bitwise the reference."""
+    for budget in SM_BUDGETS:
+        generator = torch.Generator().manual_seed(1100 + 10 * budget + rank)
+        with moe_comm.Dispatcher(_config(backend, "bfloat16", sm_budget=budget, **section)) as dev, \
+                moe_comm.Dispatcher(_config("reference", "bfloat16"), group=gloo) as ref:
+            _eager_scenarios(dev, ref, rank, world, torch.bfloat16, generator, ("random", "one_rank", "empty"))
+            _graph_scenarios(dev, ref, rank, world, torch.bfloat16, generator)
+    generator = torch.Generator().manual_seed(1200 + rank)
+    chunked = dict(max_tokens_per_rank=CHUNKED_MAX_TOKENS)
+    with moe_comm.Dispatcher(_config(backend, "bfloat16", sm_budget=SM_BUDGETS[-1], **chunked, **section)) as dev, \
+            moe_comm.Dispatcher(_config("reference", "bfloat16", **chunked), group=gloo) as ref:
+        x, idx, weights = _inputs("random", CHUNKED_MAX_TOKENS - 3 * rank, world, torch.bfloat16, generator)
+        _eager_step(dev, ref, rank, world, x, idx, weights, generator, f"chunked on {SM_BUDGETS[-1]} SMs (rank {rank})")
+
+
 def _many_experts_scenario(rank, world, gloo, backend: str, section: dict) -> None:
     """MANY_LOCAL_EXPERTS local experts, tokens spread over all of them: offsets, counts and the
     expert-major rows must still match the reference bitwise."""
@@ -348,6 +369,7 @@ def _rank_main(rank: int, world: int, backend_id: str) -> None:
             _graph_scenarios(dev, ref, rank, world, dtype, generator)
     _capacity_scenarios(rank, world, gloo, backend, section)
     _chunked_scenarios(rank, world, gloo, backend, section)
+    _budget_scenarios(rank, world, gloo, backend, section)
     _many_experts_scenario(rank, world, gloo, backend, section)
     _one_layout_block_scenario(rank, world, gloo, backend, section)
     if world == 2 and backend_id == "vmm":

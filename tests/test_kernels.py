@@ -45,14 +45,17 @@ class _Recorder:
     """Stands in for a loaded kernel: records the parameter types of every launch."""
 
     def __init__(self, name: str, entry: str):
-        self.name, self.entry, self.launches = name, entry, []
+        self.name, self.entry, self.launches, self.grids, self.values = name, entry, [], [], []
 
     def launch(self, grid, block, args, shared_bytes=0, stream=None):
         params = args if isinstance(args, KernelParams) else kernel_params(args)
         self.launches.append([_CTYPE_KINDS[t] for t in params.types])
+        self.grids.append(grid)
+        self.values.append(params.values())
 
 
-def test_launchers_pass_the_parameters_the_kernels_declare(monkeypatch):
+def _launch_every_kernel(monkeypatch, num_sms: int, grid_sms: int, tokens: int) -> dict:
+    """Launch each kernel once through recording stand-ins; returns (file, entry) -> recorder."""
     recorders = {}
 
     def load(device, name, entry, defines={}, **_):
@@ -68,10 +71,10 @@ def test_launchers_pass_the_parameters_the_kernels_declare(monkeypatch):
     capacity_rows = 64
     dispatch = kernels.DispatchKernels(cpu, defines, args, layout, num_experts=EXPERTS, num_local_experts=local,
                                        expert_alignment=4, expert_capacity=None, capacity_rows=capacity_rows,
-                                       num_sms=4, device_sms=8)
-    combine = kernels.CombineKernels(cpu, defines, args, layout, capacity_rows=capacity_rows, num_sms=4, device_sms=8)
+                                       num_sms=num_sms, grid_sms=grid_sms)
+    combine = kernels.CombineKernels(cpu, defines, args, layout, capacity_rows=capacity_rows, num_sms=num_sms,
+                                     grid_sms=grid_sms)
 
-    tokens = 5
     x = torch.zeros(tokens, HIDDEN, dtype=torch.bfloat16)
     idx = torch.zeros(tokens, TOPK, dtype=torch.int64)
     weights = torch.zeros(tokens, TOPK)
@@ -86,7 +89,11 @@ def test_launchers_pass_the_parameters_the_kernels_declare(monkeypatch):
     combine.combine(rows, recv_pos, recv_weight, True, send_mask, x)
     combine.values_send(torch.zeros(capacity_rows), recv_pos)
     combine.values_recv(dest_rank, weights)
+    return recorders
 
+
+def test_launchers_pass_the_parameters_the_kernels_declare(monkeypatch):
+    recorders = _launch_every_kernel(monkeypatch, num_sms=4, grid_sms=8, tokens=5)
     sources = {name: asset_dir("csrc").joinpath(f"{name}.cu").read_text()
                for name in ("dispatch", "combine")}
     launched = {key: recorder.launches for key, recorder in recorders.items() if recorder.launches}
@@ -94,3 +101,14 @@ def test_launchers_pass_the_parameters_the_kernels_declare(monkeypatch):
                                 ("dispatch", "dispatch"), ("dispatch", "redispatch")]
     for (name, entry), launches in launched.items():
         assert launches == [_signature(sources[name], entry)], f"{name}.{entry}: launch parameters differ from csrc"
+
+
+def test_sm_budget_bounds_every_grid(monkeypatch):
+    # sm_budget (grid_sms) bounds every kernel's grid, the senders within it too (num_sms larger
+    # than the budget, and enough tokens to want every sender), so the other SMs stay free.
+    recorders = _launch_every_kernel(monkeypatch, num_sms=24, grid_sms=3, tokens=MAX_TOKENS)
+    grids = {key: recorder.grids for key, recorder in recorders.items() if recorder.grids}
+    assert len(grids) == 5 and all(grid <= 3 for launches in grids.values() for grid in launches), grids
+    assert grids[("dispatch", "dispatch")] == [3] and grids[("combine", "combine")] == [3]
+    senders = recorders[("dispatch", "dispatch")].values[0][len(kernels.CommArgs.__dataclass_fields__) + 10]
+    assert 1 <= senders <= 3

@@ -168,6 +168,7 @@ class DeviceBackend(Backend):
             timeout_ns=int(cfg.timeout_s * 1e9),
         )
         device_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        grid_sms = device_sms if cfg.sm_budget is None else min(cfg.sm_budget, device_sms)
         self._dispatch_kernels = kernels.DispatchKernels(
             self.device,
             defines,
@@ -179,12 +180,12 @@ class DeviceBackend(Backend):
             expert_capacity=cfg.expert_capacity,
             capacity_rows=self.capacity_rows,
             num_sms=cfg.num_sms,
-            device_sms=device_sms,
+            grid_sms=grid_sms,
             toolchain=toolchain,
         )
         self._combine_kernels = kernels.CombineKernels(
             self.device, defines, args, self.regions, capacity_rows=self.capacity_rows, num_sms=cfg.num_sms,
-            device_sms=device_sms, toolchain=toolchain,
+            grid_sms=grid_sms, toolchain=toolchain,
         )
 
     def _warm_up(self) -> None:
