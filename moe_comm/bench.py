@@ -377,7 +377,8 @@ def _measure_overlap(options: BenchOptions, work: _Workload, group, sm_budget: i
     times["hidden"] = (times["comm_us"] + times["gemm_us"] - times["both_us"]) / shorter
     note = f"GEMM {size}^3 bf16" + (f", cuBLAS carveout {sm_budget} SMs" if carveout else ", no cuBLAS carveout")
     return Row(system="overlap", mode="graph", tokens=work.static[0].shape[0], routing="uniform",
-               total_us=times["both_us"], num_sms=options.num_sms, sm_budget=sm_budget, note=note, extra=times)
+               total_us=times["both_us"], num_sms=options.num_sms, sm_budget=sm_budget, note=note,
+               extra={"combine_error": None, **times})
 
 
 def _rows(system: str, measured: dict, num_tokens: int, routing: str, num_sms: Optional[int],
@@ -491,7 +492,8 @@ def _average_over_ranks(rows: list[dict], rank: int, world_size: int, group) -> 
             values = [r[key] for r in per_rank if r[key] is not None]
             row[key] = sum(values) / len(values) if values else None
         errors = [r["extra"]["combine_error"] for r in per_rank if r["extra"]["combine_error"] is not None]
-        row["extra"] = {"combine_error": max(errors) if errors else None}
+        # Other extras (the overlap times) are rank 0's: the ranks ran them aligned.
+        row["extra"] = {**row["extra"], "combine_error": max(errors) if errors else None}
         merged.append(row)
     return merged
 
