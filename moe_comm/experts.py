@@ -20,6 +20,7 @@ from .errors import ConfigError
 
 __all__ = [
     "swiglu",
+    "expert_of_rows",
     "grouped_mm_unsupported",
     "resolve_expert_impl",
     "grouped_experts",
@@ -40,6 +41,20 @@ def swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> to
     """
     gate, up = (x @ w_gate_up).chunk(2, dim=-1)
     return (F.silu(gate) * up) @ w_down
+
+
+def expert_of_rows(expert_offsets: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """The local expert whose segment holds each row: ``[num_rows, 1]`` in the offsets' dtype.
+
+    Args:
+        expert_offsets: ``[E_local]`` int32 cumulative segment ends, on the rows' device.
+        num_rows: rows of the dispatch output (``capacity_rows``).
+
+    Returns:
+        ``E_local`` for rows past the last segment; computed on the device (graph-capturable).
+    """
+    row_index = torch.arange(num_rows, dtype=expert_offsets.dtype, device=expert_offsets.device)
+    return torch.searchsorted(expert_offsets, row_index, right=True)[:, None]
 
 
 def grouped_mm_unsupported(device: torch.device, dtype: torch.dtype, ffn_hidden: int) -> Optional[str]:
@@ -111,10 +126,8 @@ def masked_experts(
 
     Args and returns: as :func:`grouped_experts`; rows at or past ``expert_offsets[-1]`` get zeros.
     """
-    num_rows, num_experts = rows.shape[0], w_gate_up.shape[0]
-    row_index = torch.arange(num_rows, dtype=expert_offsets.dtype, device=rows.device)
-    # Local expert of every row (num_experts past the last segment).
-    expert_of_row = torch.searchsorted(expert_offsets, row_index, right=True)[:, None]
+    num_experts = w_gate_up.shape[0]
+    expert_of_row = expert_of_rows(expert_offsets, rows.shape[0])
     # Rows past the last segment are unspecified (possibly NaN); zero them so that the zero
     # gradient their outputs get cannot turn into 0 * NaN = NaN in the weights' gradients.
     inputs = torch.where(expert_of_row < num_experts, rows, torch.zeros_like(rows))

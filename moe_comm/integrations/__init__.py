@@ -1,0 +1,1 @@
+"""Integrations with the stacks moe_comm is used in (each imports its framework lazily, on use)."""

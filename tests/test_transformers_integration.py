@@ -1,0 +1,124 @@
+"""moe_comm.integrations.transformers.expert_parallel on 2 gloo ranks with the reference backend
+(contract: integrations): a tiny model of each architecture made expert-parallel gives the
+unmodified model's logits and gradients, each rank keeps only its experts, the model compiles into one
+graph (fullgraph), bad input is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("transformers")
+
+from hf_models import ARCHS, VOCAB, PlainExperts, build_model, compare_with_unmodified  # noqa: E402
+from moe_comm import ConfigError, load_config  # noqa: E402
+from moe_comm.integrations.transformers import expert_parallel  # noqa: E402
+from multirank import run_ranks  # noqa: E402
+
+WORLD = 2
+# 2 x 8 tokens a rank with max_tokens_per_rank 8: every experts forward makes two dispatch/combine pairs.
+TOKENS, MAX_TOKENS = (2, 8), 8
+
+
+def _rank_compare(rank: int, world: int) -> dict:
+    results = {}
+    for arch in ARCHS:
+        # One arch from a moe_comm Config (whose model-given keys are replaced), the others from overrides.
+        config = load_config(None, num_experts=64, hidden=8) if arch == "mixtral" else None
+        results[arch] = compare_with_unmodified(build_model(arch), rank, TOKENS, torch.device("cpu"),
+                                                torch.float32, config=config, backend="reference",
+                                                max_tokens_per_rank=MAX_TOKENS)
+    return results
+
+
+@pytest.fixture(scope="module")
+def compared() -> list:
+    return run_ranks(_rank_compare, WORLD, timeout_s=300)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_expert_parallel_model_matches_unmodified(compared, arch):
+    for rank, per_arch in enumerate(compared):
+        result = per_arch[arch]
+        # 2 layers x 2 batch slices, all through moe_comm.
+        assert result["calls"] == 4, f"rank {rank} {arch}: {result}"
+        assert result["kept"], f"rank {rank} {arch}: the experts' weights are not this rank's slices"
+        # float32 both ways; only the summation order differs.
+        assert result["logits"] < 1e-5, f"rank {rank} {arch}: {result}"
+        assert result["grads"][0] < 1e-4, f"rank {rank} {arch}: {result}"
+
+
+def _rank_world_does_not_divide(rank: int, world: int) -> str:
+    try:
+        expert_parallel(build_model("qwen3_moe", num_experts=3), backend="reference")
+    except ConfigError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_world_size_that_does_not_divide_the_experts_is_refused():
+    for message in run_ranks(_rank_world_does_not_divide, WORLD, timeout_s=120):
+        assert "num_experts" in message and "3" in message and "2" in message, message
+
+
+class _NoMoe(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+
+def _renamed_weights() -> nn.Module:
+    """An experts module that declares the interface's flags but names its weights otherwise."""
+    model = build_model("plain")
+    for experts in model.experts:
+        experts.w1 = experts.up_proj
+        del experts.up_proj
+    return model
+
+
+def _wrong_shape() -> nn.Module:
+    model = build_model("plain")
+    experts = model.experts[1]
+    experts.down_proj_bias = nn.Parameter(torch.zeros(experts.num_experts, 31))
+    return model
+
+
+def _twice() -> nn.Module:
+    model = build_model("plain")
+    model.moe_comm_dispatcher = object()
+    return model
+
+
+@pytest.mark.parametrize("make, words", [
+    (_NoMoe, ["_NoMoe", "no MoE experts module"]),
+    (_renamed_weights, [PlainExperts.__name__, "cannot handle", "up_proj"]),
+    (_wrong_shape, [PlainExperts.__name__, "wrong shape", "down_proj_bias (4, 31)", "(4, 32)"]),
+    (_twice, ["PlainMoeModel", "already"]),
+])
+def test_bad_model_is_refused_with_its_name(make, words):
+    with pytest.raises(ConfigError) as info:
+        expert_parallel(make(), backend="reference")
+    for word in words:
+        assert word in str(info.value), str(info.value)
+
+
+def _rank_compiled(rank: int, world: int) -> dict:
+    model = build_model("gpt_oss")
+    expert_parallel(model, backend="reference", max_tokens_per_rank=MAX_TOKENS)
+    input_ids = torch.randint(0, VOCAB, TOKENS, generator=torch.Generator().manual_seed(rank))
+    explain = torch._dynamo.explain(model)(input_ids)
+    results = {"graphs": explain.graph_count, "breaks": explain.graph_break_count}
+    for name, forward in (("eager", model), ("compiled", torch.compile(model, fullgraph=True, backend="aot_eager"))):
+        model.zero_grad(set_to_none=True)
+        logits = forward(input_ids).logits
+        (logits.float() ** 2).mean().backward()
+        results[name] = [logits.detach()] + [param.grad.clone() for param in model.parameters()]
+    results["max_diff"] = max((a - b).abs().max().item() for a, b in zip(results.pop("eager"), results.pop("compiled")))
+    return results
+
+
+def test_expert_parallel_model_compiles_into_one_graph():
+    for rank, result in enumerate(run_ranks(_rank_compiled, WORLD, timeout_s=300)):
+        assert (result["graphs"], result["breaks"]) == (1, 0), f"rank {rank}: {result}"
+        assert result["max_diff"] == 0.0, f"rank {rank}: {result}"
