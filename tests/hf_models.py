@@ -12,6 +12,7 @@ model's slice.
 from __future__ import annotations
 
 import copy
+import inspect
 
 import torch
 import torch.distributed as dist
@@ -33,9 +34,14 @@ _COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=2, num_key_
                num_experts_per_tok=2)
 
 
-@use_experts_implementation(has_gate=False, is_transposed=True, has_bias=True, has_post_expert_norm=True)
+# transformers releases before the post-expert norm flag (5.17 on the GPU machines) get PlainExperts without it.
+_POST_NORM = "has_post_expert_norm" in inspect.signature(use_experts_implementation).parameters
+
+
+@use_experts_implementation(has_gate=False, is_transposed=True, has_bias=True,
+                            **({"has_post_expert_norm": True} if _POST_NORM else {}))
 class PlainExperts(nn.Module):
-    """Ungated experts (``act(x @ up + b) @ down + b``) with a post-expert LayerNorm, transposed weights."""
+    """Ungated experts (``act(x @ up + b) @ down + b``), transposed weights, a post-expert LayerNorm where supported."""
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -46,7 +52,7 @@ class PlainExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.randn(experts, ffn, hidden) / ffn ** 0.5)
         self.down_proj_bias = nn.Parameter(torch.randn(experts, hidden) * 0.1)
         self.act_fn = nn.GELU()
-        self.post_expert_norm = nn.LayerNorm(hidden)
+        self.post_expert_norm = nn.LayerNorm(hidden) if _POST_NORM else nn.Identity()
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         out = torch.zeros_like(hidden_states)
@@ -115,8 +121,8 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def _summed_over_ranks(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` summed over the ranks, as float32 on the CPU (gloo reduces CPU tensors)."""
-    total = tensor.detach().float().cpu()
+    """``tensor`` summed over the ranks, as float32 on its device (the default group's backend reduces it there)."""
+    total = tensor.detach().float().clone()
     dist.all_reduce(total)
     return total
 
@@ -136,8 +142,8 @@ def compare_with_unmodified(model: nn.Module, rank: int, tokens: tuple, device: 
     """
     reference = copy.deepcopy(model).to(device, dtype)
     originals = {name: param.detach().clone() for name, param in reference.named_parameters()}
-    moe_transformers.expert_parallel(model, **overrides)
-    model.to(device, dtype)
+    moe_transformers.expert_parallel(model.to(dtype), **overrides)
+    model.to(device)
     dispatcher = model.moe_comm_dispatcher
     local, first = dispatcher.num_local_experts, dispatcher.rank * dispatcher.num_local_experts
 

@@ -12,7 +12,7 @@ from torch import nn
 pytest.importorskip("transformers")
 
 from hf_models import ARCHS, VOCAB, PlainExperts, build_model, compare_with_unmodified  # noqa: E402
-from moe_comm import ConfigError, load_config  # noqa: E402
+from moe_comm import ConfigError, InputError, load_config  # noqa: E402
 from moe_comm.integrations.transformers import expert_parallel  # noqa: E402
 from multirank import run_ranks  # noqa: E402
 
@@ -49,17 +49,25 @@ def test_expert_parallel_model_matches_unmodified(compared, arch):
         assert result["grads"][0] < 1e-4, f"rank {rank} {arch}: {result}"
 
 
-def _rank_world_does_not_divide(rank: int, world: int) -> str:
+def _rank_refusals(rank: int, world: int) -> dict:
+    """The errors of a world size that does not divide the experts and of a model converted afterwards."""
+    messages = {}
     try:
         expert_parallel(build_model("qwen3_moe", num_experts=3), backend="reference")
     except ConfigError as exc:
-        return str(exc)
-    return "no error"
+        messages["world"] = str(exc)
+    model = expert_parallel(build_model("plain"), backend="reference")
+    try:
+        model.to(torch.bfloat16)(torch.zeros(1, 4, dtype=torch.long))
+    except InputError as exc:
+        messages["dtype"] = str(exc)
+    return messages
 
 
-def test_world_size_that_does_not_divide_the_experts_is_refused():
-    for message in run_ranks(_rank_world_does_not_divide, WORLD, timeout_s=120):
-        assert "num_experts" in message and "3" in message and "2" in message, message
+def test_world_size_not_dividing_the_experts_and_a_later_dtype_change_are_refused():
+    for messages in run_ranks(_rank_refusals, WORLD, timeout_s=120):
+        assert "num_experts" in messages["world"] and "3" in messages["world"], messages
+        assert all(word in messages["dtype"] for word in ("PlainExperts", "bfloat16", "float32", "dtype=")), messages
 
 
 class _NoMoe(nn.Module):

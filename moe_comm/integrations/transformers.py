@@ -29,7 +29,7 @@ from torch import nn
 
 from ..config import DTYPES, Config, load_config
 from ..dispatcher import Dispatcher
-from ..errors import ConfigError
+from ..errors import ConfigError, InputError
 from ..experts import expert_of_rows, resolve_expert_impl
 
 __all__ = ["IMPLEMENTATION", "expert_parallel"]
@@ -38,8 +38,9 @@ IMPLEMENTATION = "moe_comm"
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
-# Set on every experts class by transformers' ``@use_experts_implementation``.
-_LAYOUT_FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated", "has_post_expert_norm")
+# Set on every experts class by transformers' ``@use_experts_implementation`` (``has_post_expert_norm``
+# only by newer 5.x releases: absent means no norm).
+_LAYOUT_FLAGS = ("has_gate", "has_bias", "is_transposed")
 
 
 def _experts_modules(model: nn.Module) -> list[nn.Module]:
@@ -71,10 +72,10 @@ def _check_layout(module: nn.Module, hidden: int) -> list[str]:
     name = type(module).__name__
     shapes = _expected_shapes(module, hidden)
     missing = [key for key in shapes if not isinstance(getattr(module, key, None), nn.Parameter)]
-    if missing or (module.has_post_expert_norm and not callable(getattr(module, "post_expert_norm", None))):
+    if missing or (_has_post_norm(module) and not callable(getattr(module, "post_expert_norm", None))):
         raise ConfigError(
             f"expert_parallel: experts class {name} has a layout moe_comm cannot handle: its flags call for "
-            f"parameters {list(shapes)}{' and post_expert_norm' if module.has_post_expert_norm else ''}, "
+            f"parameters {list(shapes)}{' and post_expert_norm' if _has_post_norm(module) else ''}, "
             f"missing {missing or ['post_expert_norm']}"
         )
     wrong = [f"{key} {tuple(getattr(module, key).shape)} (expected {shape})" for key, shape in shapes.items()
@@ -82,6 +83,10 @@ def _check_layout(module: nn.Module, hidden: int) -> list[str]:
     if wrong:
         raise ConfigError(f"expert_parallel: {name} weights of the wrong shape: {', '.join(wrong)}")
     return list(shapes)
+
+
+def _has_post_norm(module: nn.Module) -> bool:
+    return getattr(module, "has_post_expert_norm", False)
 
 
 def _down_proj(module: nn.Module) -> nn.Parameter:
@@ -140,7 +145,7 @@ def _local_experts(module: nn.Module, rows: torch.Tensor, expert_offsets: torch.
     hidden = module._apply_gate(hidden) if module.has_gate else module.act_fn(hidden)
     out = _segmented_linear(hidden, module.down_proj, module.down_proj_bias if module.has_bias else None,
                             module.is_transposed, expert_offsets, expert_of_row, grouped)
-    if module.has_post_expert_norm:
+    if _has_post_norm(module):
         out = torch.where(expert_of_row < module.down_proj.shape[0], module.post_expert_norm(out), out)
     return out.to(rows.dtype)
 
@@ -154,6 +159,10 @@ def _moe_comm_experts_forward(
     pair each; every rank must make as many, as with :class:`moe_comm.MoELayer`).
     """
     dispatcher: Dispatcher = self._moe_comm_dispatcher
+    if hidden_states.dtype != dispatcher.config.torch_dtype:
+        raise InputError(f"{type(self).__name__} hidden_states: the model runs in {hidden_states.dtype} but was made "
+                         f"expert-parallel for {dispatcher.config.dtype}: convert it before expert_parallel, or "
+                         f"pass expert_parallel(..., dtype=...) with the dtype it will run in")
     grouped = resolve_expert_impl(dispatcher.config, hidden_states.device, _ffn_hidden(self)) == "grouped_mm"
     size = dispatcher.config.max_tokens_per_rank
     pieces = []
@@ -205,7 +214,8 @@ def expert_parallel(
     Args:
         model: a loaded transformers model whose experts use transformers' experts interface.
         config: a moe_comm :class:`Config`, a YAML path, or None for the embedded default;
-            ``num_experts``, ``topk``, ``hidden`` and ``dtype`` are taken from the model.
+            ``num_experts``, ``topk``, ``hidden`` and ``dtype`` are taken from the model (an
+            override wins: ``dtype="bfloat16"`` for a model that is converted afterwards).
         group: the expert-parallel process group (None: the default group).
         overrides: config keys, as for :func:`moe_comm.load_config` (e.g. ``max_tokens_per_rank``:
             at least the tokens of one forward on one rank, ``batch x sequence``; ``backend``).
