@@ -189,14 +189,34 @@ def _cmd_info(args: argparse.Namespace) -> int:
                 _say(f"    - {_describe_entry(entry)}")
     ok, text = _probe(lambda: (True, _auto_choice()))
     _say(f"auto -> {text}" if ok else f"auto -> unknown ({text})")
+    if args.config is not None or args.world is not None:
+        _say_footprint(args, count, text if ok else "reference")
     return 0
+
+
+def _say_footprint(args: argparse.Namespace, gpus: int, auto: str) -> None:
+    """The per-rank memory of ``--config`` (default: the embedded default) at ``--world`` ranks."""
+    from .config import load_config
+    from .footprint import footprint
+
+    config = load_config(args.config)
+    world = args.world or gpus or 2
+    backend = auto if config.backend == "auto" else config.backend
+    _say(f"memory per rank of {args.config or 'the default config'} at {world} ranks on {backend} "
+         f"(max_tokens_per_rank {config.max_tokens_per_rank}, hidden {config.hidden}, {config.dtype}, "
+         f"top-{config.topk} of {config.num_experts}):")
+    for line in footprint(config, world, backend).lines():
+        _say(f"  {line}")
 
 
 def _describe_device(index: int) -> str:
     import torch
 
+    from .jit import MIN_ARCH
+
     props = torch.cuda.get_device_properties(index)
-    return f"{props.name}, sm_{props.major}{props.minor}, {props.total_memory / 2**30:.1f} GiB"
+    too_old = " (moe_comm's kernels need sm_%d or newer)" % MIN_ARCH if props.major * 10 + props.minor < MIN_ARCH else ""
+    return f"{props.name}, sm_{props.major}{props.minor}, {props.total_memory / 2**30:.1f} GiB{too_old}"
 
 
 def _format_peers(matrix: list[list[bool]]) -> str:
@@ -330,17 +350,26 @@ def _cmd_run(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------------- compile
 
 
+_COMPILE_SHAPE_KEYS = ("backend", "hidden", "topk", "dtype")
+
+
 def _cmd_compile(args: argparse.Namespace) -> int:
-    from . import jit
+    from . import jit, kernels
+    from .config import load_config
 
     major, minor = jit.nvrtc_version()  # CompileError naming the fix when NVRTC is missing
+    overrides = {key: getattr(args, key) for key in _COMPILE_SHAPE_KEYS if getattr(args, key) is not None}
+    config = load_config(args.config, **overrides) if args.config or overrides else None
     total = 0
     for arch in args.arch:
-        paths = jit.compile_all(arch)
+        paths = jit.compile_all(arch) if config is None else kernels.compile_for_config(config, arch)
         total += len(paths)
         for path in paths:
             _say(f"{arch}  {path}")
-    _say(f"compiled {total} kernel build(s) with NVRTC {major}.{minor} into {jit.cache_dir()}")
+    what = "every declared kernel build" if config is None else (
+        f"the kernels of {args.config or 'the default config'} (dtype {config.dtype}, hidden {config.hidden}, "
+        f"topk {config.topk})")
+    _say(f"compiled {total} kernel build(s), {what}, with NVRTC {major}.{minor} into {jit.cache_dir()}")
     return 0
 
 
@@ -368,7 +397,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"moe-comm {__version__} (torch {torch.__version__})")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    info = commands.add_parser("info", help="torch, CUDA devices, peer access, and which backends can run here")
+    info = commands.add_parser("info", help="torch, CUDA devices, peer access, which backends can run here, "
+                                            "and the memory a config takes")
+    info.add_argument("--config", help="also report the memory this YAML config takes per rank")
+    info.add_argument("--world", type=_positive,
+                      help="ranks for that report (default: the GPUs present, 2 without GPUs); implies the "
+                           "default config when --config is not given")
     info.set_defaults(func=_cmd_info)
 
     run = commands.add_parser(
@@ -391,7 +425,14 @@ def _parser() -> argparse.ArgumentParser:
 
     compile_ = commands.add_parser("compile", help="compile every kernel for GPU architectures with NVRTC (no GPU needed)")
     compile_.add_argument("--arch", action="append", required=True,
-                          help="architecture such as sm_90; repeat for several")
+                          help="architecture such as sm_90 (sm_80 or newer); repeat for several")
+    compile_.add_argument("--config", help="compile the kernels this YAML config runs (default: every declared "
+                                           "build, which includes the embedded default config's)")
+    compile_.add_argument("--backend", help="with --config or a shape key: override the config's backend "
+                                            "(nvshmem with transport put compiles the NVSHMEM build)")
+    compile_.add_argument("--hidden", type=_positive, help="override the config's hidden (compiles that config's kernels)")
+    compile_.add_argument("--topk", type=_positive, help="override the config's topk (compiles that config's kernels)")
+    compile_.add_argument("--dtype", help="override the config's dtype: bfloat16, float16 or float32")
     compile_.set_defaults(func=_cmd_compile)
 
     bench = commands.add_parser(

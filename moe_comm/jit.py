@@ -51,6 +51,7 @@ from .errors import CompileError, InputError
 __all__ = [
     "CACHE_SCHEMA_VERSION",
     "Defines",
+    "MIN_ARCH",
     "Toolchain",
     "cache_dir",
     "canonical_defines",
@@ -65,6 +66,8 @@ CACHE_SCHEMA_VERSION = 1
 Defines = Mapping[str, Union[int, str]]
 
 _ARCH_RE = re.compile(r"sm_[0-9]{2,3}[af]?")
+# The oldest architecture the kernels compile for: their bf16 packing (cvt.rn.bf16x2.f32) needs sm_80.
+MIN_ARCH = 80
 _NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _DEFINES_LINE = "// moe_comm-defines:"
 # The header generated from moe_comm.protocol, included by csrc/common.cuh.
@@ -202,6 +205,9 @@ def _read_kernel(name: str) -> str:
 def _check_arch(arch: str) -> None:
     if not isinstance(arch, str) or not _ARCH_RE.fullmatch(arch):
         raise InputError(f"arch: got {arch!r}, expected a real GPU architecture such as 'sm_90' or 'sm_90a'")
+    if int(arch[3:].rstrip("af")) < MIN_ARCH:
+        raise InputError(f"arch: got {arch!r}; moe_comm's kernels need sm_{MIN_ARCH} or newer "
+                         f"(compute capability {MIN_ARCH // 10}.{MIN_ARCH % 10}: Ampere, Hopper, Blackwell)")
 
 
 def _check_name(name: str) -> None:

@@ -20,13 +20,14 @@ from typing import Optional
 
 import torch
 
-from . import driver, jit, protocol
+from . import driver, jit, nvshmem_build, protocol
 from .kernel_params import kernel_params
 from .errors import BackendError
 
 __all__ = [
     "CommArgs",
     "kernel_defines",
+    "compile_for_config",
     "DispatchKernels",
     "CombineKernels",
 ]
@@ -59,6 +60,18 @@ def kernel_defines(dtype: torch.dtype, hidden: int, topk: int, *, put_transport:
     if put_transport:
         defines["PUT_TRANSPORT"] = 1
     return defines
+
+
+def compile_for_config(config, arch: str) -> list:
+    """Compile (or find cached) both kernel files for ``arch`` as ``config`` runs them; returns the cubin paths.
+
+    The defines are the config's dtype, hidden and topk; a config on the ``nvshmem`` backend with
+    ``transport: put`` gets the put-transport build (NVSHMEM's headers must be installed). No GPU needed.
+    """
+    put = config.backend == "nvshmem" and config.nvshmem.transport == "put"
+    defines = kernel_defines(config.torch_dtype, config.hidden, config.topk, put_transport=put)
+    toolchain = nvshmem_build.toolchain() if put else jit.Toolchain()
+    return [jit.compile_source(name, arch=arch, defines=defines, toolchain=toolchain) for name in ("dispatch", "combine")]
 
 
 @dataclass(frozen=True)

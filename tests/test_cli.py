@@ -132,6 +132,47 @@ def test_compile_reports_arch_and_nvrtc_errors(monkeypatch, capsys):
     assert "NVRTC is not available" in capsys.readouterr().err
 
 
+def test_compile_refuses_architectures_older_than_sm80(capsys):
+    assert cli.main(["compile", "--arch", "sm_75"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'sm_75'" in err and "sm_80 or newer" in err, err
+
+
+def test_compile_builds_the_kernels_of_a_config(tmp_path, monkeypatch, capsys):
+    from moe_comm import jit
+    from moe_comm.errors import CompileError
+
+    try:
+        jit.nvrtc_version()
+    except CompileError as exc:
+        pytest.skip(f"no NVRTC here: {exc}")
+    monkeypatch.setenv("MOE_COMM_CACHE_DIR", str(tmp_path / "cache"))
+    config = tmp_path / "deploy.yaml"
+    config.write_text("hidden: 2048\ntopk: 6\n")
+    assert cli.main(["compile", "--arch", "sm_90", "--config", str(config), "--dtype", "float16"]) == 0
+    built = sorted("-".join(path.name.split("-")[:3]) for path in (tmp_path / "cache").glob("*.cubin"))
+    assert built == ["combine-f16_hidden2048_topk6-sm90", "dispatch-f16_hidden2048_topk6-sm90"], built
+    assert f"the kernels of {config}" in capsys.readouterr().out
+
+
+def test_info_reports_the_memory_a_config_takes(tmp_path):
+    config = tmp_path / "big.yaml"
+    config.write_text("backend: vmm\nnum_experts: 64\ntopk: 8\nhidden: 7168\nmax_tokens_per_rank: 4096\n")
+    result = _run(_command() + ["info", "--config", str(config), "--world", "8"])
+    assert result.returncode == 0, result.stderr
+    row_bytes = 7168 * 2
+    # Lossless: every rank's 4096 tokens x top-8, plus 15 padding rows for each of 8 local experts.
+    rows = 8 * 4096 * 8 + 8 * 15
+    slab = 8 * 4096 * row_bytes
+    assert "at 8 ranks on vmm" in result.stdout, result.stdout
+    assert f"{rows:,} rows (lossless), {rows * row_bytes / 2**30:.3f} GiB ({rows * row_bytes:,} bytes)" in result.stdout
+    assert f"slab: {slab / 2**30:.3f} GiB ({slab:,} bytes)" in result.stdout
+    held = next(line for line in result.stdout.splitlines() if "symmetric allocation" in line)
+    symmetric = int(held.split("(")[1].split()[0].replace(",", ""))
+    # Two slabs of rows (received tokens, returned partials) and a few MB of metadata and flags.
+    assert 2 * slab < symmetric < 2 * slab + 2**26, held
+
+
 @pytest.mark.gpu
 def test_run_on_every_gpu(requires_gpus):
     requires_gpus(2)

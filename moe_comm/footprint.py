@@ -1,0 +1,78 @@
+"""The device memory a config takes on each rank, before any GPU is touched (``moe-comm info --config``).
+
+Two kinds of memory: what a :class:`moe_comm.Dispatcher` holds for its lifetime (the device
+backends' symmetric allocation, :class:`moe_comm.protocol.SymmetricRegions`; the collective
+backends hold none and allocate their ``[W, M]`` exchange slabs per call), and what every
+dispatch output takes (``out.x``: ``capacity_rows`` rows, :meth:`moe_comm.Config.capacity_rows`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import Config
+from .protocol import SymmetricRegions
+
+__all__ = ["Footprint", "footprint"]
+
+# Backends whose ranks share one symmetric allocation (the rest exchange padded slabs per call).
+_SYMMETRIC = ("vmm", "nvshmem")
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """Bytes one rank takes for ``config`` at ``world_size`` ranks on ``backend``.
+
+    symmetric_bytes: the Dispatcher's symmetric allocation (0 on the collective backends).
+    slab_bytes: one ``[W, M, hidden]`` slab of rows (the symmetric allocation holds two, three with
+        NVSHMEM puts; the collective backends allocate two per exchange).
+    capacity_rows: rows of every dispatch output; out_x_bytes: its ``x`` in the config dtype.
+    lossless: no ``expert_capacity`` bound (nothing is ever dropped).
+    """
+
+    world_size: int
+    backend: str
+    symmetric_bytes: int
+    slab_bytes: int
+    capacity_rows: int
+    out_x_bytes: int
+    lossless: bool
+
+    def lines(self) -> list[str]:
+        """A human-readable report, one fact a line."""
+        gib = lambda n: f"{n / 2**30:.3f} GiB ({n:,} bytes)"  # noqa: E731
+        if self.symmetric_bytes:
+            held = f"symmetric allocation, held by the Dispatcher: {gib(self.symmetric_bytes)}"
+        else:
+            held = f"no symmetric allocation; every exchange allocates two slabs: {gib(2 * self.slab_bytes)}"
+        capacity = "lossless" if self.lossless else "bounded by expert_capacity"
+        return [
+            held,
+            f"one [world, max_tokens_per_rank, hidden] slab: {gib(self.slab_bytes)}",
+            f"each dispatch output x: {self.capacity_rows:,} rows ({capacity}), {gib(self.out_x_bytes)}; "
+            "a training step holds several (the output, the experts' activations, backward's redispatch)",
+        ]
+
+
+def footprint(config: Config, world_size: int, backend: str) -> Footprint:
+    """What ``config`` takes per rank at ``world_size`` ranks on ``backend`` (a resolved name, not ``auto``).
+
+    Raises:
+        ConfigError: ``world_size`` does not divide the config's experts.
+    """
+    config.check_world(world_size)
+    row_bytes = config.hidden * config.torch_dtype.itemsize
+    put = backend == "nvshmem" and config.nvshmem.transport == "put" and world_size > 1
+    symmetric = backend in _SYMMETRIC or (backend == "nccl" and config.nccl.transport == "symmetric")
+    regions = SymmetricRegions.plan(world_size, config.max_tokens_per_rank, config.topk, row_bytes,
+                                    put_transport=put)
+    capacity_rows = config.capacity_rows(world_size)
+    return Footprint(
+        world_size=world_size,
+        backend=backend,
+        symmetric_bytes=regions.nbytes if symmetric else 0,
+        slab_bytes=world_size * config.max_tokens_per_rank * row_bytes,
+        capacity_rows=capacity_rows,
+        out_x_bytes=capacity_rows * row_bytes,
+        lossless=config.expert_capacity is None,
+    )
