@@ -274,10 +274,14 @@ __device__ __forceinline__ void status_record_timeout(i64* status, int phase, in
     }
 }
 
-// Add `count` offenders to status[count_field] and lower status[count_field + 1] to `first_key`.
-__device__ __forceinline__ void status_add_offenders(i64* status, int count_field, i64 count, i64 first_key) {
+// Add `count` offenders of call `epoch` to status[count_field]; lower status[call_field] to `epoch`
+// and, unless an earlier call offended already, status[count_field + 1] to `first_key`. Calls are
+// stream-ordered, so an earlier call's atomics have all landed before a later call's begin.
+__device__ __forceinline__ void status_add_offenders(i64* status, int count_field, int call_field, i64 count,
+                                                     i64 first_key, u64 epoch) {
     atomicAdd(reinterpret_cast<u64*>(status + count_field), static_cast<u64>(count));
-    atomicMin(status + count_field + 1, first_key);
+    const i64 call = static_cast<i64>(epoch);
+    if (atomicMin(status + call_field, call) >= call) atomicMin(status + count_field + 1, first_key);
 }
 
 // Spin until *flag >= target (acquire, system scope), at most timeout_ns. On timeout record

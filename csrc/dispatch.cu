@@ -176,7 +176,9 @@ __device__ __forceinline__ void send_metadata(const i64* s_peer, int rank, int w
         }
     }
     if (!acked) wait_acks();
-    if (lane == 0 && num_invalid != 0) status_add_offenders(status, STATUS_NUM_INVALID, num_invalid, first_invalid);
+    if (lane == 0 && num_invalid != 0) {
+        status_add_offenders(status, STATUS_NUM_INVALID, STATUS_FIRST_INVALID_CALL, num_invalid, first_invalid, epoch);
+    }
 }
 
 // Block-wide, blocks [0, num_senders), one warp per (token, row chunk): token rows of x [T, H] to
@@ -372,12 +374,14 @@ __device__ __forceinline__ void clear_empty_rows(const i32* s_tokens, int world,
     }
 }
 
-// Warp-wide: the warp's drops (count and smallest (s << 32 | t)) into the status word.
-__device__ __forceinline__ void report_drops(i64* status, i64 num_dropped, i64 first_dropped) {
+// Warp-wide: the warp's drops of call `epoch` (count and smallest (s << 32 | t)) into the status word.
+__device__ __forceinline__ void report_drops(i64* status, i64 num_dropped, i64 first_dropped, u64 epoch) {
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1) num_dropped += __shfl_xor_sync(FULL_MASK, num_dropped, offset);
     first_dropped = warp_min_i64(first_dropped);
-    if ((threadIdx.x & 31) == 0 && num_dropped != 0) status_add_offenders(status, STATUS_NUM_DROPPED, num_dropped, first_dropped);
+    if ((threadIdx.x & 31) == 0 && num_dropped != 0) {
+        status_add_offenders(status, STATUS_NUM_DROPPED, STATUS_FIRST_DROPPED_CALL, num_dropped, first_dropped, epoch);
+    }
 }
 
 // Block-wide, on `blocks` blocks (this one is number `block` of them), after every source's
@@ -481,7 +485,7 @@ __device__ __forceinline__ void layout_entries(i32* smem, i64 base, int rank, in
     }
 
     clear_empty_rows(s_tokens, world, max_tokens_per_rank, block, blocks, recv_pos, recv_weight);
-    report_drops(status, num_dropped, first_dropped);
+    report_drops(status, num_dropped, first_dropped, epoch);
 }
 
 // ----------------------------------------------------------------------------- expand phase

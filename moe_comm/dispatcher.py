@@ -262,7 +262,14 @@ class Dispatcher:
         report = self.read_status()
         if report.ok:
             return
-        self._live_backend().status.copy_(protocol.new_status(self.device))
+        backend = self._live_backend()
+        backend.status.copy_(protocol.new_status(self.device))
+
+        def first(source: str, offender: tuple[int, int], call: int) -> str:
+            rank, token = offender
+            return (f"first: {source} {rank}, token {token}, in call {call - backend.warm_up_calls} of this "
+                    "Dispatcher (its dispatches and backward redispatches, counted from 1)")
+
         problems = []
         if report.timeout_phase:
             peer = "peer rank unknown" if report.timeout_peer is None else f"peer rank {report.timeout_peer}"
@@ -271,16 +278,14 @@ class Dispatcher:
                 f"({peer}); results of that step are invalid"
             )
         if report.num_invalid:
-            rank, token = report.first_invalid
             problems.append(
                 f"{report.num_invalid} expert id(s) outside [0, {self.config.num_experts}) and not -1 "
-                f"(first: rank {rank}, token {token}); those assignments were dropped"
+                f"({first('rank', report.first_invalid, report.first_invalid_call)}); those assignments were dropped"
             )
         if report.num_dropped:
-            rank, token = report.first_dropped
             problems.append(
                 f"{report.num_dropped} assignment(s) dropped over expert_capacity={self.config.expert_capacity} "
-                f"on rank {self.rank} (first: from rank {rank}, token {token})"
+                f"on rank {self.rank} ({first('from rank', report.first_dropped, report.first_dropped_call)})"
             )
         raise DeviceStatusError("; ".join(problems))
 

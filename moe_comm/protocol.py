@@ -27,6 +27,8 @@ __all__ = [
     "STATUS_FIRST_DROPPED",
     "STATUS_TIMEOUT_PHASE",
     "STATUS_TIMEOUT_PEER",
+    "STATUS_FIRST_INVALID_CALL",
+    "STATUS_FIRST_DROPPED_CALL",
     "STATUS_FIELDS",
     "NO_OFFENDER",
     "CH_TO_DEST",
@@ -78,14 +80,18 @@ __all__ = [
 # ---------------------------------------------------------------------------------- status word
 
 # Fields of the device status word, int64 [STATUS_FIELDS] on the dispatcher's device. The
-# "first" fields hold the smallest ``(rank << 32) | token`` seen, NO_OFFENDER if none.
+# "call" fields hold the earliest call (the epoch of CH_TO_DEST: dispatches and redispatches,
+# counted from 1) with an offence, the "first" fields the smallest ``(rank << 32) | token`` of
+# that call; NO_OFFENDER if none.
 STATUS_NUM_INVALID = 0     # assignments whose expert id was neither -1 nor in [0, E)
 STATUS_FIRST_INVALID = 1   # (source rank, token) of the first invalid assignment
 STATUS_NUM_DROPPED = 2     # assignments dropped because their expert was over capacity
 STATUS_FIRST_DROPPED = 3   # (source rank, token) of the first dropped assignment
 STATUS_TIMEOUT_PHASE = 4   # phase code (TIMEOUT_*) of the first wait that timed out, 0 if none
 STATUS_TIMEOUT_PEER = 5    # the peer that wait was waiting for
-STATUS_FIELDS = 6
+STATUS_FIRST_INVALID_CALL = 6  # the call of the first invalid assignment
+STATUS_FIRST_DROPPED_CALL = 7  # the call of the first dropped assignment
+STATUS_FIELDS = 8
 NO_OFFENDER = (1 << 63) - 1
 
 # ---------------------------------------------------------------------------- channels and flags
@@ -181,7 +187,8 @@ def meta_words(topk: int) -> int:
 _HEADER_GROUPS = (
     ("Status word: int64 [STATUS_FIELDS]; the first-offender fields hold the smallest (rank << 32 | token)",
      ("STATUS_NUM_INVALID", "STATUS_FIRST_INVALID", "STATUS_NUM_DROPPED", "STATUS_FIRST_DROPPED",
-      "STATUS_TIMEOUT_PHASE", "STATUS_TIMEOUT_PEER", "STATUS_FIELDS", "NO_OFFENDER")),
+      "STATUS_TIMEOUT_PHASE", "STATUS_TIMEOUT_PEER", "STATUS_FIRST_INVALID_CALL", "STATUS_FIRST_DROPPED_CALL",
+      "STATUS_FIELDS", "NO_OFFENDER")),
     ("Channels: CH_TO_DEST carries dispatch and redispatch, CH_TO_SOURCE combine and the values kernels",
      ("CH_TO_DEST", "CH_TO_SOURCE", "CHANNELS")),
     ("Flag kinds of flags[channel][kind][peer]; FLAG_CHUNK + c is chunk c of dispatch's rows",
@@ -238,17 +245,21 @@ class StatusReport:
     """The device status word read on the host.
 
     num_invalid: assignments with an expert id outside ``[0, num_experts)`` other than -1.
-    first_invalid: ``(source rank, token)`` of the first one, or None.
+    first_invalid: ``(source rank, token)`` of the first one (in its call), or None.
+    first_invalid_call: that call (dispatches and redispatches of the Dispatcher, counted from 1
+        at its warm-up call), or None.
     num_dropped: assignments dropped because their expert was over ``expert_capacity``.
-    first_dropped: ``(source rank, token)`` of the first one, or None.
+    first_dropped, first_dropped_call: as for the invalid ones.
     timeout_phase: name of the first wait that timed out, or None. timeout_peer: its peer
         (None also when the transport cannot tell which peer is missing: a collective with more than two ranks).
     """
 
     num_invalid: int
     first_invalid: Optional[tuple[int, int]]
+    first_invalid_call: Optional[int]
     num_dropped: int
     first_dropped: Optional[tuple[int, int]]
+    first_dropped_call: Optional[int]
     timeout_phase: Optional[str]
     timeout_peer: Optional[int]
 
@@ -262,14 +273,20 @@ def _offender(key: int) -> Optional[tuple[int, int]]:
     return None if key == NO_OFFENDER else (key >> 32, key & 0xFFFFFFFF)
 
 
+def _call(value: int) -> Optional[int]:
+    return None if value == NO_OFFENDER else value
+
+
 def decode_status(values: Sequence[int]) -> StatusReport:
     """The report of a status word read on the host (``status.tolist()``, ``STATUS_FIELDS`` ints)."""
     phase = values[STATUS_TIMEOUT_PHASE]
     return StatusReport(
         num_invalid=values[STATUS_NUM_INVALID],
         first_invalid=_offender(values[STATUS_FIRST_INVALID]),
+        first_invalid_call=_call(values[STATUS_FIRST_INVALID_CALL]),
         num_dropped=values[STATUS_NUM_DROPPED],
         first_dropped=_offender(values[STATUS_FIRST_DROPPED]),
+        first_dropped_call=_call(values[STATUS_FIRST_DROPPED_CALL]),
         timeout_phase=TIMEOUT_PHASES.get(phase, f"phase {phase}") if phase else None,
         timeout_peer=values[STATUS_TIMEOUT_PEER] if phase else None,
     )
@@ -278,8 +295,8 @@ def decode_status(values: Sequence[int]) -> StatusReport:
 def new_status(device: torch.device) -> torch.Tensor:
     """A cleared status word: int64 ``[STATUS_FIELDS]`` on ``device``."""
     status = torch.zeros(STATUS_FIELDS, dtype=torch.int64, device=device)
-    status[STATUS_FIRST_INVALID] = NO_OFFENDER
-    status[STATUS_FIRST_DROPPED] = NO_OFFENDER
+    for field in (STATUS_FIRST_INVALID, STATUS_FIRST_DROPPED, STATUS_FIRST_INVALID_CALL, STATUS_FIRST_DROPPED_CALL):
+        status[field] = NO_OFFENDER
     return status
 
 

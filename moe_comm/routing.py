@@ -43,7 +43,9 @@ import torch
 from .protocol import (
     NO_OFFENDER,
     STATUS_FIRST_DROPPED,
+    STATUS_FIRST_DROPPED_CALL,
     STATUS_FIRST_INVALID,
+    STATUS_FIRST_INVALID_CALL,
     STATUS_NUM_DROPPED,
     STATUS_NUM_INVALID,
 )
@@ -84,24 +86,33 @@ class Routing:
     recv_weight: torch.Tensor
 
 
-def _record(status: torch.Tensor, count_field: int, first_field: int, mask: torch.Tensor, keys: torch.Tensor) -> None:
-    """Add ``mask.sum()`` to ``status[count_field]`` and lower ``status[first_field]`` to the smallest masked key."""
+def _record(status: torch.Tensor, count_field: int, first_field: int, call_field: int, mask: torch.Tensor,
+            keys: torch.Tensor, call: torch.Tensor) -> None:
+    """Add ``mask.sum()`` offenders of ``call`` (int64 ``[1]``) to ``status[count_field]``.
+
+    ``status[call_field]`` keeps the earliest offending call and ``status[first_field]`` the
+    smallest masked key of that call (as ``status_add_offenders`` in ``csrc/common.cuh``).
+    """
     status[count_field : count_field + 1].add_(mask.sum().reshape(1))
     # The extra NO_OFFENDER element keeps the reduction defined when there are no entries (T = 0).
     candidates = torch.where(mask, keys, torch.full_like(keys, NO_OFFENDER)).reshape(-1)
     smallest = torch.cat([candidates, candidates.new_full((1,), NO_OFFENDER)]).min().reshape(1)
-    torch.minimum(status[first_field : first_field + 1], smallest, out=status[first_field : first_field + 1])
+    first, earliest = status[first_field : first_field + 1], status[call_field : call_field + 1]
+    offended = smallest != NO_OFFENDER
+    first.copy_(torch.where(offended & (earliest >= call), torch.minimum(first, smallest), first))
+    earliest.copy_(torch.where(offended, torch.minimum(earliest, call), earliest))
 
 
 def plan_source(
-    topk_idx: torch.Tensor, num_experts: int, world_size: int, rank: int, status: torch.Tensor
+    topk_idx: torch.Tensor, num_experts: int, world_size: int, rank: int, status: torch.Tensor, call: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Source-side routing of one call.
 
     Args:
         topk_idx: ``[T, K]`` int32/int64 global expert ids, -1 for none.
         num_experts: E. world_size: W. rank: this rank (for the status word).
-        status: the device status word; invalid ids are counted into it.
+        status: the device status word; invalid ids are counted into it. call: int64 ``[1]``, this
+            call's number (``STATUS_FIRST_INVALID_CALL``).
 
     Returns:
         ``send_mask`` ``[T, W]`` bool, ``dest_rank`` ``[T, K]`` int32 (-1 if none/invalid) and
@@ -114,7 +125,8 @@ def plan_source(
     valid = (idx >= 0) & (idx < num_experts)
     invalid = (idx != -1) & ~valid
     token_keys = (rank << 32) + torch.arange(num_tokens, device=idx.device, dtype=torch.int64)
-    _record(status, STATUS_NUM_INVALID, STATUS_FIRST_INVALID, invalid, token_keys[:, None].expand(num_tokens, topk))
+    _record(status, STATUS_NUM_INVALID, STATUS_FIRST_INVALID, STATUS_FIRST_INVALID_CALL, invalid,
+            token_keys[:, None].expand(num_tokens, topk), call)
     dest = torch.where(valid, idx // local, torch.full_like(idx, -1))
     ranks = torch.arange(world_size, device=idx.device, dtype=torch.int64)
     here = dest[None, :, :] == ranks[:, None, None]  # [W, T, K]
@@ -158,6 +170,7 @@ def plan_destination(
     expert_alignment: int,
     expert_capacity: Optional[int],
     status: torch.Tensor,
+    call: torch.Tensor,
 ) -> DestinationPlan:
     """Rank the received entries per local expert and place them in the expert-major layout.
 
@@ -165,7 +178,8 @@ def plan_destination(
         recv_expert: ``[W, M, K]`` int32 local expert of each received entry, -1 if none.
         num_local_experts: L. expert_alignment: segment alignment in rows.
         expert_capacity: rows kept per expert, None for all.
-        status: the device status word; dropped entries are counted into it.
+        status: the device status word; dropped entries are counted into it. call: int64 ``[1]``,
+            this call's number (``STATUS_FIRST_DROPPED_CALL``).
     """
     world_size, max_tokens_per_rank, topk = recv_expert.shape
     device = recv_expert.device
@@ -181,7 +195,8 @@ def plan_destination(
     kept = valid if expert_capacity is None else valid & (rank_in_expert < expert_capacity)
     entry = torch.arange(key.numel(), device=device)
     source_keys = ((entry // (max_tokens_per_rank * topk)) << 32) + (entry // topk) % max_tokens_per_rank
-    _record(status, STATUS_NUM_DROPPED, STATUS_FIRST_DROPPED, valid & ~kept, source_keys)
+    _record(status, STATUS_NUM_DROPPED, STATUS_FIRST_DROPPED, STATUS_FIRST_DROPPED_CALL, valid & ~kept, source_keys,
+            call)
     kept_counts = counts[:num_local_experts]
     if expert_capacity is not None:
         kept_counts = kept_counts.clamp(max=expert_capacity)

@@ -201,7 +201,8 @@ def _capacity_and_invalid(rank: int, world: int) -> None:
         cleaned[(cleaned < -1) | (cleaned >= NUM_EXPERTS)] = -1
         ref = dense_moe(xs[rank].double(), cleaned, ws[rank].double(), lambda e, r: r @ weights[e], NUM_EXPERTS)
         torch.testing.assert_close(z.double(), ref, rtol=1e-5, atol=1e-5)
-        with pytest.raises(moe_comm.DeviceStatusError, match=f"2 expert id\\(s\\).*first: rank {rank}, token 2"):
+        first = f"first: rank {rank}, token 2, in call 1 of"  # this Dispatcher's first call
+        with pytest.raises(moe_comm.DeviceStatusError, match=f"2 expert id\\(s\\).*{first}"):
             disp.check()
 
     with moe_comm.Dispatcher(_config(check_every_step=True)) as disp:

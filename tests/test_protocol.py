@@ -76,8 +76,8 @@ def test_common_header_includes_the_protocol():
 
 def _status(**fields) -> list[int]:
     values = [0] * protocol.STATUS_FIELDS
-    values[protocol.STATUS_FIRST_INVALID] = protocol.NO_OFFENDER
-    values[protocol.STATUS_FIRST_DROPPED] = protocol.NO_OFFENDER
+    for field in ("FIRST_INVALID", "FIRST_DROPPED", "FIRST_INVALID_CALL", "FIRST_DROPPED_CALL"):
+        values[getattr(protocol, f"STATUS_{field}")] = protocol.NO_OFFENDER
     for name, value in fields.items():
         values[getattr(protocol, f"STATUS_{name.upper()}")] = value
     return values
@@ -86,7 +86,7 @@ def _status(**fields) -> list[int]:
 def test_a_clear_status_decodes_to_nothing():
     assert protocol.new_status(torch.device("cpu")).tolist() == _status()
     report = protocol.decode_status(_status())
-    assert report == protocol.StatusReport(0, None, 0, None, None, None) and report.ok
+    assert report == protocol.StatusReport(0, None, None, 0, None, None, None, None) and report.ok
 
 
 @pytest.mark.parametrize("field, value, expected", [
@@ -94,11 +94,13 @@ def test_a_clear_status_decodes_to_nothing():
     ("first_invalid", (2 << 32) | 7, {"first_invalid": (2, 7)}),
     ("num_dropped", 5, {"num_dropped": 5}),
     ("first_dropped", (1 << 32) | 0xFFFFFFFF, {"first_dropped": (1, 0xFFFFFFFF)}),
+    ("first_invalid_call", 12, {"first_invalid_call": 12}),
+    ("first_dropped_call", 1, {"first_dropped_call": 1}),
 ])
 def test_each_counted_field_decodes(field, value, expected):
     report = protocol.decode_status(_status(**{field: value}))
-    clear = {"num_invalid": 0, "first_invalid": None, "num_dropped": 0, "first_dropped": None,
-             "timeout_phase": None, "timeout_peer": None}
+    clear = {"num_invalid": 0, "first_invalid": None, "first_invalid_call": None, "num_dropped": 0,
+             "first_dropped": None, "first_dropped_call": None, "timeout_phase": None, "timeout_peer": None}
     assert report == protocol.StatusReport(**{**clear, **expected})
 
 

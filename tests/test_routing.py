@@ -11,13 +11,26 @@ def test_plan_source_dedups_and_reports_invalid_ids():
     status = protocol.new_status(torch.device("cpu"))
     # 2 ranks x 2 local experts. Token 0 has two experts on rank 1: it is sent there once.
     topk_idx = torch.tensor([[2, 3, -1], [0, 9, 1], [-1, -1, -1], [-5, 2, 0]])
-    send_mask, dest_rank, slab_expert = routing.plan_source(topk_idx, 4, 2, rank=1, status=status)
+    call = torch.tensor([3])
+    send_mask, dest_rank, slab_expert = routing.plan_source(topk_idx, 4, 2, rank=1, status=status, call=call)
     assert send_mask.tolist() == [[False, True], [True, False], [False, False], [True, True]]
     assert dest_rank.tolist() == [[1, 1, -1], [0, -1, 0], [-1, -1, -1], [-1, 1, 0]]
     assert slab_expert[1].tolist() == [[0, 1, -1], [-1, -1, -1], [-1, -1, -1], [-1, 0, -1]]
     assert slab_expert[0].tolist() == [[-1, -1, -1], [0, -1, 1], [-1, -1, -1], [-1, -1, 0]]
     assert status[protocol.STATUS_NUM_INVALID] == 2
     assert status[protocol.STATUS_FIRST_INVALID] == (1 << 32) + 1  # rank 1, token 1
+    assert status[protocol.STATUS_FIRST_INVALID_CALL] == 3
+    # A later call's offenders add to the count; the first offender stays the earliest call's,
+    # even where the later call's (rank, token) is smaller.
+    routing.plan_source(torch.tensor([[7, -1]] * 2), 4, 2, rank=0, status=status, call=torch.tensor([4]))
+    assert status[protocol.STATUS_NUM_INVALID] == 4
+    assert status[protocol.STATUS_FIRST_INVALID] == (1 << 32) + 1
+    assert status[protocol.STATUS_FIRST_INVALID_CALL] == 3
+    # A call without offenders leaves everything as it was.
+    routing.plan_source(torch.tensor([[0, 1]]), 4, 2, rank=0, status=status, call=torch.tensor([5]))
+    assert status[protocol.STATUS_NUM_INVALID] == 4 and status[protocol.STATUS_FIRST_INVALID_CALL] == 3
+    report = protocol.decode_status(status.tolist())
+    assert (report.first_invalid, report.first_invalid_call, report.first_dropped_call) == ((1, 1), 3, None)
 
 
 def test_plan_destination_orders_aligns_and_drops():
@@ -31,18 +44,21 @@ def test_plan_destination_orders_aligns_and_drops():
         ],
         dtype=torch.int32,
     )
-    plan = routing.plan_destination(recv_expert, 2, expert_alignment=4, expert_capacity=None, status=status)
+    plan = routing.plan_destination(recv_expert, 2, expert_alignment=4, expert_capacity=None, status=status,
+                                    call=torch.tensor([1]))
     assert plan.tokens_per_expert.tolist() == [4, 2]
     assert plan.expert_offsets.tolist() == [4, 8]
     assert plan.recv_pos.tolist() == [[[4, 0], [-1, -1], [1, -1]], [[2, -1], [5, 3], [-1, -1]]]
     assert status[protocol.STATUS_NUM_DROPPED] == 0
 
-    capped = routing.plan_destination(recv_expert, 2, expert_alignment=4, expert_capacity=3, status=status)
+    capped = routing.plan_destination(recv_expert, 2, expert_alignment=4, expert_capacity=3, status=status,
+                                      call=torch.tensor([2]))
     # Expert 0 keeps its first three entries; (1,1,1) is dropped and marked -2.
     assert capped.tokens_per_expert.tolist() == [3, 2]
     assert capped.recv_pos.tolist() == [[[4, 0], [-1, -1], [1, -1]], [[2, -1], [5, -2], [-1, -1]]]
     assert status[protocol.STATUS_NUM_DROPPED] == 1
     assert status[protocol.STATUS_FIRST_DROPPED] == (1 << 32) + 1  # from source 1, token 1
+    assert status[protocol.STATUS_FIRST_DROPPED_CALL] == 2
 
 
 def test_expand_and_combine_follow_the_fixed_order():

@@ -52,6 +52,9 @@ class Backend(abc.ABC):
         self.num_local_experts = config.num_local_experts(self.world_size)
         self.capacity_rows = config.capacity_rows(self.world_size)
         self.status = protocol.new_status(device)
+        # Dispatch/redispatch calls the constructor made itself (a warm-up): the status word's call
+        # numbers count them, the user's calls come after.
+        self.warm_up_calls = 0
 
     @abc.abstractmethod
     def dispatch(

@@ -87,6 +87,9 @@ class CollectiveBackend(Backend):
                 f"backend is {group_backend!r} (pass group=torch.distributed.new_group(backend={needed!r}))"
             )
         super().__init__(config, group, device, name)
+        # The number of the current dispatch/redispatch call (the device kernels' CH_TO_DEST epoch),
+        # on the device so that replayed graphs count too.
+        self._call = torch.zeros(1, dtype=torch.int64, device=device)
         # Set when an exchange failed or stalled: the ranks' collectives are out of step from then on.
         self._failure: Optional[str] = None
         # Eager CUDA exchanges not yet seen complete, oldest first: (phase, event after it, host time issued).
@@ -102,6 +105,7 @@ class CollectiveBackend(Backend):
         result = self.dispatch(empty, torch.empty((0, cfg.topk), dtype=torch.int64, device=self.device),
                                torch.empty((0, cfg.topk), dtype=torch.float32, device=self.device))
         self.combine(result.x, result.routing)
+        self.warm_up_calls = 1  # the dispatch above
         torch.cuda.synchronize(self.device)
 
     def _peer(self) -> Optional[int]:
@@ -199,8 +203,9 @@ class CollectiveBackend(Backend):
     ) -> DispatchResult:
         del separate_outputs  # every output below is its own allocation
         cfg = self.config
+        self._call.add_(1)
         send_mask, dest_rank, slab_expert = plan_source(
-            topk_idx, cfg.num_experts, self.world_size, self.rank, self.status
+            topk_idx, cfg.num_experts, self.world_size, self.rank, self.status, self._call
         )
         num_tokens = x.shape[0]
         expert_slabs = torch.full(
@@ -211,13 +216,14 @@ class CollectiveBackend(Backend):
         recv_weight = self._send_tokens(topk_weights, send_mask, "dispatch: all_to_all_single of router weights")
         recv_rows = self._send_tokens(x, send_mask, "dispatch: all_to_all_single of token rows")
         plan = plan_destination(
-            recv_expert, self.num_local_experts, cfg.expert_alignment, cfg.expert_capacity, self.status
+            recv_expert, self.num_local_experts, cfg.expert_alignment, cfg.expert_capacity, self.status, self._call
         )
         routing = Routing(num_tokens, send_mask, dest_rank, plan.recv_pos, recv_weight)
         out_x = expand_rows(recv_rows, plan.recv_pos, self.capacity_rows)
         return DispatchResult(out_x, plan.expert_offsets, plan.tokens_per_expert, routing)
 
     def redispatch(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        self._call.add_(1)
         recv_rows = self._send_tokens(x, routing.send_mask, "redispatch: all_to_all_single of token rows")
         return expand_rows(recv_rows, routing.recv_pos, self.capacity_rows)
 
