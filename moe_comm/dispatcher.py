@@ -250,8 +250,9 @@ class Dispatcher:
         stalled = backend.wait_settled()
         if stalled is not None:
             phase, peer = stalled
-            return StatusReport(0, None, 0, None, timeout_phase=phase, timeout_peer=peer)
-        return protocol.decode_status(backend.status.tolist())
+            return StatusReport(num_invalid=0, first_invalid=None, first_invalid_call=None, num_dropped=0,
+                                first_dropped=None, first_dropped_call=None, timeout_phase=phase, timeout_peer=peer)
+        return protocol.decode_status(backend.status.tolist(), backend.warm_up_calls)
 
     def check(self) -> None:
         """Raise :class:`DeviceStatusError` if any call since the last check recorded a fault; then clear the status.
@@ -262,13 +263,12 @@ class Dispatcher:
         report = self.read_status()
         if report.ok:
             return
-        backend = self._live_backend()
-        backend.status.copy_(protocol.new_status(self.device))
+        self._live_backend().status.copy_(protocol.new_status(self.device))
 
         def first(source: str, offender: tuple[int, int], call: int) -> str:
             rank, token = offender
-            return (f"first: {source} {rank}, token {token}, in call {call - backend.warm_up_calls} of this "
-                    "Dispatcher (its dispatches and backward redispatches, counted from 1)")
+            return (f"first: {source} {rank}, token {token}, in call {call} of this Dispatcher (its dispatches "
+                    "and backward redispatches, counted from 1)")
 
         problems = []
         if report.timeout_phase:

@@ -246,8 +246,8 @@ class StatusReport:
 
     num_invalid: assignments with an expert id outside ``[0, num_experts)`` other than -1.
     first_invalid: ``(source rank, token)`` of the first one (in its call), or None.
-    first_invalid_call: that call (dispatches and redispatches of the Dispatcher, counted from 1
-        at its warm-up call), or None.
+    first_invalid_call: that call (the Dispatcher's dispatches and redispatches, counted from 1),
+        or None.
     num_dropped: assignments dropped because their expert was over ``expert_capacity``.
     first_dropped, first_dropped_call: as for the invalid ones.
     timeout_phase: name of the first wait that timed out, or None. timeout_peer: its peer
@@ -273,12 +273,16 @@ def _offender(key: int) -> Optional[tuple[int, int]]:
     return None if key == NO_OFFENDER else (key >> 32, key & 0xFFFFFFFF)
 
 
-def _call(value: int) -> Optional[int]:
-    return None if value == NO_OFFENDER else value
+def decode_status(values: Sequence[int], warm_up_calls: int = 0) -> StatusReport:
+    """The report of a status word read on the host (``status.tolist()``, ``STATUS_FIELDS`` ints).
 
+    ``warm_up_calls``: calls the backend made itself before the user's (``Backend.warm_up_calls``);
+    the report's call numbers count the user's calls from 1.
+    """
 
-def decode_status(values: Sequence[int]) -> StatusReport:
-    """The report of a status word read on the host (``status.tolist()``, ``STATUS_FIELDS`` ints)."""
+    def _call(value: int) -> Optional[int]:
+        return None if value == NO_OFFENDER else value - warm_up_calls
+
     phase = values[STATUS_TIMEOUT_PHASE]
     return StatusReport(
         num_invalid=values[STATUS_NUM_INVALID],

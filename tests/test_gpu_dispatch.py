@@ -19,6 +19,7 @@ allocator is handed blocks of the outputs' sizes filled with the sentinel just b
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -151,9 +152,18 @@ def _compare_dispatch(out, ref, tag: str) -> None:
         _assert_bitwise(getattr(got, name), getattr(want, name), f"{tag} routing.{name}")
 
 
+def _without_call_numbers(report):
+    """``report`` with its first offences' call numbers reduced to whether there is one."""
+    return dataclasses.replace(report, first_invalid_call=report.first_invalid_call is not None,
+                               first_dropped_call=report.first_dropped_call is not None)
+
+
 def _check_status(dev, ref, tag: str) -> None:
     got, want = dev.read_status(), ref.read_status()
-    assert got == want, f"{tag}: device status {got} != reference status {want}"
+    # The two dispatchers have not made the same calls (the graphs' warm-ups), so the calls of the
+    # first offences are compared by presence; test_gpu_reliability checks their numbers.
+    assert _without_call_numbers(got) == _without_call_numbers(want), \
+        f"{tag}: device status {got} != reference status {want}"
     if not want.ok:
         for disp in (dev, ref):
             with pytest.raises(moe_comm.DeviceStatusError):
