@@ -57,7 +57,7 @@ def _absent(backend: str) -> Optional[str]:
     if not all(missing):
         return None
     modules = sorted({module for absent in missing for module in absent})
-    return f"not in this version of moe_comm (missing {', '.join(modules)})"
+    return f"not installed here (missing {', '.join(modules)})"
 
 
 def _transports(backend: str) -> str:
@@ -68,7 +68,7 @@ def _transports(backend: str) -> str:
 
 def _describe_entry(entry) -> str:
     missing = _missing_modules(entry)
-    absent = f"; not in this version of moe_comm (missing {', '.join(missing)})" if missing else ""
+    absent = f"; not installed here (missing {', '.join(missing)})" if missing else ""
     return f"{entry.id}: {entry.mover.value}; memory: {entry.memory.value}; reach: {entry.reach.value}{absent}"
 
 
