@@ -79,34 +79,31 @@ def test_train_tiny_moe_refuses_bad_options():
     assert main(["--backend", "reference", "--aux-loss-coef", "-1"]) == 2  # the config's error, in one line
 
 
-def test_torchrun_step_runs_on_cpu_ranks():
-    # The README's torchrun recipe, as a user runs it: 2 ranks, gloo and the reference backend
-    # (the GPUs are hidden, so the same script takes its CPU path on a GPU machine too).
+def _torchrun_on_two_cpu_ranks(script: str, *args: str) -> list[str]:
+    """``examples/<script>`` under torchrun on 2 CPU ranks (the GPUs hidden, so a GPU machine takes the CPU
+    path too); returns the ranks' ``rank r/2 on reference: ...`` lines, sorted, after checking the exit code."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(ROOT / "examples" / "torchrun_step.py"), "--tokens", "16"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+         str(ROOT / "examples" / script), *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=180,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     lines = sorted(line for line in result.stdout.splitlines() if line.startswith("rank "))
     assert [line.split(":")[0] for line in lines] == ["rank 0/2 on reference", "rank 1/2 on reference"], result.stdout
-    assert all(": ok" in line for line in lines)
+    return lines
+
+
+def test_torchrun_step_runs_on_cpu_ranks():
+    # The README's torchrun recipe, as a user runs it: 2 ranks, gloo and the reference backend.
+    lines = _torchrun_on_two_cpu_ranks("torchrun_step.py", "--tokens", "16")
+    assert all(": ok" in line for line in lines), lines
 
 
 def test_hf_expert_parallel_runs_on_cpu_ranks():
     # The README's transformers example: a tiny Qwen3-MoE made expert-parallel over 2 gloo ranks,
     # its logits against the unmodified model, then a greedy generation on every rank.
     pytest.importorskip("transformers")
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(ROOT / "examples" / "hf_expert_parallel.py"), "--new-tokens", "4"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=180,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("rank "))
-    assert [line.split(":")[0] for line in lines] == ["rank 0/2 on reference", "rank 1/2 on reference"], result.stdout
+    lines = _torchrun_on_two_cpu_ranks("hf_expert_parallel.py", "--new-tokens", "4")
     assert all(": ok (max logit error" in line and "generated 4 tokens per prompt" in line for line in lines), lines
