@@ -6,6 +6,7 @@ The names users need live here; everything else is in the submodules.
 from .config import Config, RouterConfig, load_config
 from .dispatcher import Dispatcher, DispatchHandle, DispatchOutput
 from .layer import MoELayer, MoEWeights, moe_aux_loss, update_expert_biases
+from .overlap import gemm_sm_carveout
 from .protocol import StatusReport
 from .errors import (
     BackendError,
@@ -29,6 +30,7 @@ __all__ = [
     "MoEWeights",
     "moe_aux_loss",
     "update_expert_biases",
+    "gemm_sm_carveout",
     "MoeCommError",
     "ConfigError",
     "InputError",

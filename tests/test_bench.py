@@ -170,10 +170,11 @@ def test_bad_workload_is_one_line_before_any_rank_starts(argv, fragment, capsys,
 def test_overlap_rows_keep_their_times_and_get_their_own_table(monkeypatch):
     # One rank: the gather hands back this rank's rows.
     monkeypatch.setattr(bench.dist, "all_gather_object", lambda out, rows, group=None: out.__setitem__(0, rows))
-    times = {"comm_us": 400.0, "gemm_us": 1400.0, "both_us": 1500.0, "hidden": 0.75}
+    times = {"comm_us": 400.0, "gemm_whole_us": 1200.0, "gemm_us": 1400.0, "both_us": 1500.0, "hidden": 0.75,
+             "hidden_vs_whole": 0.25}
     row = asdict(bench.Row(system="overlap", mode="graph", tokens=4096, routing="uniform", total_us=1500.0,
                            sm_budget=24, note="GEMM 8192^3 bf16", extra={"combine_error": None, **times}))
     (merged,) = bench._average_over_ranks([row], 0, 1, None)
     assert merged["extra"] == {"combine_error": None, **times}
     table = bench.markdown_table([merged])
-    assert "| 4096 | 24 | 400.0 | 1400.0 | 1500.0 | 75% | GEMM 8192^3 bf16 |" in table
+    assert "| 4096 | 24 | 400.0 | 1200.0 | 1400.0 | 1500.0 | 75% | 25% | GEMM 8192^3 bf16 |" in table

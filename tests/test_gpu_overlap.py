@@ -2,8 +2,9 @@
 
 The README's recipe on ``vmm`` with ``sm_budget`` set (1 rank, and 2 ranks time-sliced on one GPU
 when only one is present): the communication stream waits for the inputs, dispatch and combine run
-there while a GEMM runs on the compute stream, the compute stream waits for the result, and the
-tensors that cross streams are recorded on the stream that uses them (allocator safety). Run
+there while a GEMM leaving the budget's SMs free (``moe_comm.gemm_sm_carveout``) runs on the compute
+stream, the compute stream waits for the result, and the tensors that cross streams are recorded on
+the stream that uses them (allocator safety). Run
 eagerly and captured into one CUDA graph with both streams (replayed with new tokens), it gives
 the results of the same calls run one after the other.
 """
@@ -32,7 +33,8 @@ def _overlapped(disp, comm: torch.cuda.Stream, x, idx, weights, a, b):
             tensor.record_stream(comm)  # read on comm: not reused before comm is done with them
         out = disp.dispatch(x, idx, weights)
         z = disp.combine(out.x * 2, out.handle)
-    product = a @ b  # overlaps the communication: the budget leaves the other SMs to it
+    with moe_comm.gemm_sm_carveout(BUDGET):  # the GEMM leaves the budget's SMs to the communication
+        product = a @ b  # overlaps the communication
     compute.wait_stream(comm)
     z.record_stream(compute)  # allocated on comm, used on the compute stream from here on
     return z, product
@@ -54,7 +56,8 @@ def _rank_main(rank: int, world: int) -> dict:
 
         def sequential(x, idx, weights, a, b):
             out = disp.dispatch(x, idx, weights)
-            return disp.combine(out.x * 2, out.handle), a @ b
+            with moe_comm.gemm_sm_carveout(BUDGET):  # the same GEMM kernel as the overlapped one
+                return disp.combine(out.x * 2, out.handle), a @ b
 
         comm = torch.cuda.Stream(device)
         errors = {}
