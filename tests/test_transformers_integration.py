@@ -49,6 +49,25 @@ def test_expert_parallel_model_matches_unmodified(compared, arch):
         assert result["grads"][0] < 1e-4, f"rank {rank} {arch}: {result}"
 
 
+def _rank_meta_device(rank: int, world: int) -> float:
+    """The README's low-memory recipe: a model built on the meta device, made expert-parallel, materialised
+    and loaded with this rank's slices (here from a model made expert-parallel the usual way)."""
+    usual = expert_parallel(build_model("qwen3_moe"), backend="reference")
+    with torch.device("meta"):
+        model = type(usual)(usual.config)
+    expert_parallel(model, backend="reference", dtype="float32")
+    model.to_empty(device="cpu")
+    # to_empty leaves non-persistent buffers (not in any checkpoint) uninitialised: build them again.
+    model.model.rotary_emb = type(model.model.rotary_emb)(model.config)
+    model.load_state_dict(usual.state_dict())
+    input_ids = torch.randint(0, VOCAB, TOKENS, generator=torch.Generator().manual_seed(rank))
+    return (model(input_ids).logits - usual(input_ids).logits).abs().max().item()
+
+
+def test_a_model_built_on_the_meta_device_loads_only_its_experts():
+    assert run_ranks(_rank_meta_device, WORLD, timeout_s=120) == [0.0, 0.0]
+
+
 def _rank_refusals(rank: int, world: int) -> dict:
     """The errors of a world size that does not divide the experts and of a model converted afterwards."""
     messages = {}

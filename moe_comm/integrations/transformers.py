@@ -14,9 +14,12 @@ on the CPU (``device_map="cpu"``, the default), call :func:`expert_parallel` (wh
 rank's slices and drops the rest), then ``model.to(device)``: the GPU never holds the other
 experts. On a host with too little CPU memory for the whole model, build the model on the meta
 device (``with torch.device("meta"): model = AutoModelForCausalLM.from_config(config)``), call
-:func:`expert_parallel`, ``model.to_empty(device=...)`` and load this rank's tensors from the
-checkpoint's safetensors files with ``safe_open(...).get_slice(name)[first:first + E_local]``
-(global expert ``e`` lives on rank ``e // E_local``).
+:func:`expert_parallel` (with ``dtype=``: meta tensors carry the config's dtype),
+``model.to_empty(device=...)``, build the modules with non-persistent buffers again (``to_empty``
+leaves them uninitialised and no checkpoint holds them: e.g. ``model.model.rotary_emb``), and load
+this rank's tensors from the checkpoint's safetensors files with
+``safe_open(...).get_slice(name)[first:first + E_local]`` for the experts' weights (global expert
+``e`` lives on rank ``e // E_local``) and whole for the rest.
 """
 
 from __future__ import annotations
