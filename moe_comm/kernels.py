@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -26,6 +26,7 @@ from .errors import BackendError
 
 __all__ = [
     "CommArgs",
+    "RoutingAddresses",
     "kernel_defines",
     "compile_for_config",
     "DispatchKernels",
@@ -72,6 +73,16 @@ def compile_for_config(config, arch: str) -> list:
     defines = kernel_defines(config.torch_dtype, config.hidden, config.topk, put_transport=put)
     toolchain = nvshmem_build.toolchain() if put else jit.Toolchain()
     return [jit.compile_source(name, arch=arch, defines=defines, toolchain=toolchain) for name in ("dispatch", "combine")]
+
+
+class RoutingAddresses(NamedTuple):
+    """Device addresses of a routing's tensors (``moe_comm.routing.Routing``): ``send_mask [T, W]``
+    bool, ``dest_rank [T, K]`` int32, ``recv_pos [W, M, K]`` int32, ``recv_weight [W, M, K]`` float32."""
+
+    send_mask: int
+    dest_rank: int
+    recv_pos: int
+    recv_weight: int
 
 
 @dataclass(frozen=True)
@@ -183,18 +194,15 @@ class DispatchKernels:
         x: torch.Tensor,
         topk_idx: torch.Tensor,
         topk_weights: torch.Tensor,
-        send_mask: torch.Tensor,
-        dest_rank: torch.Tensor,
-        recv_pos: torch.Tensor,
-        recv_weight: torch.Tensor,
+        routing: RoutingAddresses,
         expert_offsets: torch.Tensor,
         tokens_per_expert: torch.Tensor,
         out_x: torch.Tensor,
     ) -> None:
         """One dispatch. In: ``x [T, H]``, ``topk_idx [T, K]`` int32/int64, ``topk_weights [T, K]`` float32.
-        Out (filled by the kernel): source side ``send_mask [T, W]`` bool, ``dest_rank [T, K]`` int32;
-        destination side ``recv_pos``/``recv_weight [W, M, K]`` int32/float32, ``expert_offsets``/
-        ``tokens_per_expert [L]`` int32, ``out_x [capacity_rows, H]``."""
+        Out (filled by the kernel): the routing's four tensors (source side ``send_mask``, ``dest_rank``;
+        destination side ``recv_pos``, ``recv_weight``), ``expert_offsets``/``tokens_per_expert [L]``
+        int32, ``out_x [capacity_rows, H]``."""
         num_tokens = x.shape[0]
         senders = self._senders(num_tokens)
         # The layout runs on blocks that do not send when there are any (it then overlaps the sends).
@@ -202,18 +210,17 @@ class DispatchKernels:
         layout_blocks = min(self._layout_blocks, idle) if idle > 0 else self._layout_blocks
         params = self._dispatch_params.fill((
             senders, layout_blocks, x.data_ptr(), topk_idx.data_ptr(), 1 if topk_idx.dtype == torch.int64 else 0,
-            topk_weights.data_ptr(), num_tokens, send_mask.data_ptr(), dest_rank.data_ptr(), recv_pos.data_ptr(),
-            recv_weight.data_ptr(), expert_offsets.data_ptr(), tokens_per_expert.data_ptr(), out_x.data_ptr(),
+            topk_weights.data_ptr(), num_tokens, routing.send_mask, routing.dest_rank, routing.recv_pos,
+            routing.recv_weight, expert_offsets.data_ptr(), tokens_per_expert.data_ptr(), out_x.data_ptr(),
         ))
         self._dispatch.launch(self._grid, protocol.DISPATCH_THREADS, params, shared_bytes=self._shared)
 
-    def redispatch(self, x: torch.Tensor, send_mask: torch.Tensor, recv_pos: torch.Tensor, out_x: torch.Tensor) -> None:
+    def redispatch(self, x: torch.Tensor, routing: RoutingAddresses, out_x: torch.Tensor) -> None:
         """Rows only, along an existing routing: row ``t`` of ``x [T, H]`` to every rank ``r`` with
-        ``send_mask[t, r]``, expanded there into ``out_x [capacity_rows, H]`` along ``recv_pos [W, M, K]``."""
+        ``send_mask[t, r]``, expanded there into ``out_x [capacity_rows, H]`` along ``recv_pos``."""
         num_tokens = x.shape[0]
         params = self._redispatch_params.fill((
-            self._senders(num_tokens), x.data_ptr(), num_tokens, send_mask.data_ptr(), recv_pos.data_ptr(),
-            out_x.data_ptr(),
+            self._senders(num_tokens), x.data_ptr(), num_tokens, routing.send_mask, routing.recv_pos, out_x.data_ptr(),
         ))
         self._redispatch.launch(self._grid, protocol.DISPATCH_THREADS, params)
 
@@ -261,32 +268,29 @@ class CombineKernels:
         self._values_send_const = prefix + ((regions.ret_vals_offset, _L),)
         self._values_recv_const = prefix + ((regions.ret_vals_offset, _L),)
 
-    def combine(
-        self, y: torch.Tensor, recv_pos: torch.Tensor, recv_weight: torch.Tensor, weighted: bool,
-        send_mask: torch.Tensor, z: torch.Tensor,
-    ) -> None:
+    def combine(self, y: torch.Tensor, routing: RoutingAddresses, weighted: bool, z: torch.Tensor) -> None:
         """One combine: the destination sends one partial row per carried slab row of ``y [capacity_rows, H]``
         to its source; the source writes ``z [T, H]`` = the sum of its tokens' partial rows in rank order."""
         params = self._combine_params.fill((
-            y.data_ptr(), recv_pos.data_ptr(), recv_weight.data_ptr(), 1 if weighted else 0, send_mask.data_ptr(),
+            y.data_ptr(), routing.recv_pos, routing.recv_weight, 1 if weighted else 0, routing.send_mask,
             z.shape[0], z.data_ptr(),
         ))
         self._combine.launch(self._grid, protocol.COMBINE_THREADS, params)
 
-    def values_send(self, row_vector: torch.Tensor, recv_pos: torch.Tensor) -> None:
+    def values_send(self, row_vector: torch.Tensor, routing: RoutingAddresses) -> None:
         """Destination side: ``row_vector [capacity_rows]`` float32, read per entry, to each entry's source."""
         self._values_send.launch(
             self._values_send_grid,
             protocol.VALUES_THREADS,
-            self._values_send_const + ((row_vector.data_ptr(), _P),) + self._capacity + ((recv_pos.data_ptr(), _P),),
+            self._values_send_const + ((row_vector.data_ptr(), _P),) + self._capacity + ((routing.recv_pos, _P),),
         )
 
-    def values_recv(self, dest_rank: torch.Tensor, out: torch.Tensor) -> None:
+    def values_recv(self, routing: RoutingAddresses, out: torch.Tensor) -> None:
         """Source side: ``out [T, K]`` float32, each assignment's value from its destination (0 if none)."""
-        num_tokens = dest_rank.shape[0]
+        num_tokens = out.shape[0]
         grid = max(1, min(self._num_sms, _cdiv(num_tokens * self._topk, protocol.VALUES_THREADS)))
         self._values_recv.launch(
             grid,
             protocol.VALUES_THREADS,
-            self._values_recv_const + ((dest_rank.data_ptr(), _P), (num_tokens, _I), (out.data_ptr(), _P)),
+            self._values_recv_const + ((routing.dest_rank, _P), (num_tokens, _I), (out.data_ptr(), _P)),
         )

@@ -76,7 +76,8 @@ class Routing:
             slab row ``(s, t)`` carries a token exactly when one of its entries is not -1.
         recv_weight: ``[W, M, K]`` float32, destination side: the router weight of entry
             ``(s, t, k)`` (meaningful where ``recv_pos >= 0``).
-    All tensors live on the dispatcher's device.
+    All tensors live on the dispatcher's device. An eager dispatch of the device backends returns
+    a ``moe_comm.backends.device.PackedRouting`` instead: the same attributes, in one allocation.
     """
 
     num_tokens: int

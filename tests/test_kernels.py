@@ -84,11 +84,13 @@ def _launch_every_kernel(monkeypatch, num_sms: int, grid_sms: int, tokens: int) 
     recv_weight = torch.zeros(WORLD, MAX_TOKENS, TOPK)
     counts = torch.zeros(local, dtype=torch.int32)
     rows = torch.zeros(capacity_rows, HIDDEN, dtype=torch.bfloat16)
-    dispatch.dispatch(x, idx, weights, send_mask, dest_rank, recv_pos, recv_weight, counts, counts, rows)
-    dispatch.redispatch(x, send_mask, recv_pos, rows)
-    combine.combine(rows, recv_pos, recv_weight, True, send_mask, x)
-    combine.values_send(torch.zeros(capacity_rows), recv_pos)
-    combine.values_recv(dest_rank, weights)
+    routing = kernels.RoutingAddresses(send_mask.data_ptr(), dest_rank.data_ptr(), recv_pos.data_ptr(),
+                                       recv_weight.data_ptr())
+    dispatch.dispatch(x, idx, weights, routing, counts, counts, rows)
+    dispatch.redispatch(x, routing, rows)
+    combine.combine(rows, routing, True, x)
+    combine.values_send(torch.zeros(capacity_rows), routing)
+    combine.values_recv(routing, weights)
     return recorders
 
 

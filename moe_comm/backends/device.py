@@ -22,6 +22,7 @@ Autograd (the only user) reads only mapped rows.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Callable
 
@@ -39,46 +40,91 @@ __all__ = ["DeviceBackend"]
 _log = logging.getLogger("moe_comm")
 
 
-_PIECE_WORDS = 32  # every piece of _dispatch_outputs starts on a 128-byte line
+_PIECE_WORDS = 32  # every piece of a packed allocation starts on a 128-byte line
 
 
-def _dispatch_outputs(num_tokens: int, world: int, max_tokens_per_rank: int, topk: int, num_local_experts: int,
-                      device: torch.device, separate: bool) -> tuple:
-    """The dispatch kernel's small outputs on ``device``: ``expert_offsets``, ``tokens_per_expert [L]``
-    int32, ``dest_rank [T, K]`` int32, ``recv_pos`` / ``recv_weight [W, M, K]`` int32 / float32 and
-    ``send_mask [T, W]`` bool, each contiguous; views of one int32 allocation unless ``separate``.
+class PackedRouting:
+    """The :class:`moe_comm.routing.Routing` of an eager device dispatch: its tensors in one allocation.
 
-    NOTE: one torch.empty on CUDA costs ~3.3 us of host time on the GPU machines and a view ~1.5
-    us; eager calls at decode sizes are host-bound, and these were six allocations. The custom
-    ops (``moe_comm.ops``, torch.compile) need ``separate``: their outputs may not alias.
+    ``send_mask [T, W]`` bool, ``dest_rank [T, K]`` int32, ``recv_pos [W, M, K]`` int32 and
+    ``recv_weight [W, M, K]`` float32 (meaning as in ``Routing``) live at fixed word offsets of one
+    int32 ``buffer``, which this object keeps alive. Each tensor view is made on first access:
+    the kernels take :attr:`addresses` instead, so an eager step that only combines never makes them.
+
+    NOTE: a view costs ~1.5-2 us of host time on the GPU machines (one torch.empty ~4.7 us), and
+    eager calls at decode sizes are host-bound: making the four views and two dtype
+    reinterpretations per dispatch took ~12 of its ~47 us.
     """
-    if separate:
-        slab = (world, max_tokens_per_rank, topk)
-        return (
-            torch.empty(num_local_experts, dtype=torch.int32, device=device),
-            torch.empty(num_local_experts, dtype=torch.int32, device=device),
-            torch.empty((num_tokens, topk), dtype=torch.int32, device=device),
-            torch.empty(slab, dtype=torch.int32, device=device),
-            torch.empty(slab, dtype=torch.float32, device=device),
-            torch.empty((num_tokens, world), dtype=torch.bool, device=device),
-        )
-    sizes = (num_local_experts, num_local_experts, num_tokens * topk, world * max_tokens_per_rank * topk, world * max_tokens_per_rank * topk,
-             -(-num_tokens * world // 4))
+
+    def __init__(self, num_tokens: int, buffer: torch.Tensor, starts: tuple[int, int, int, int], world: int,
+                 max_tokens_per_rank: int, topk: int) -> None:
+        self.num_tokens = num_tokens
+        self._buffer = buffer
+        self._starts = starts
+        self._slab = ((world, max_tokens_per_rank, topk), (max_tokens_per_rank * topk, topk, 1))
+        self._world, self._topk = world, topk
+        base = buffer.data_ptr()
+        self.addresses = kernels.RoutingAddresses(*(base + 4 * start for start in starts))
+
+    @functools.cached_property
+    def send_mask(self) -> torch.Tensor:
+        return self._buffer.view(torch.bool).as_strided((self.num_tokens, self._world), (self._world, 1),
+                                                        4 * self._starts[0])
+
+    @functools.cached_property
+    def dest_rank(self) -> torch.Tensor:
+        return self._buffer.as_strided((self.num_tokens, self._topk), (self._topk, 1), self._starts[1])
+
+    @functools.cached_property
+    def recv_pos(self) -> torch.Tensor:
+        return self._buffer.as_strided(*self._slab, self._starts[2])
+
+    @functools.cached_property
+    def recv_weight(self) -> torch.Tensor:
+        return self._buffer.view(torch.float32).as_strided(*self._slab, self._starts[3])
+
+
+def _addresses(routing) -> kernels.RoutingAddresses:
+    """Device addresses of a routing's four tensors (a :class:`PackedRouting` has them without views)."""
+    if isinstance(routing, PackedRouting):
+        return routing.addresses
+    return kernels.RoutingAddresses(routing.send_mask.data_ptr(), routing.dest_rank.data_ptr(),
+                                    routing.recv_pos.data_ptr(), routing.recv_weight.data_ptr())
+
+
+def _separate_outputs(num_tokens: int, world: int, max_tokens_per_rank: int, topk: int, num_local_experts: int,
+                      device: torch.device) -> tuple:
+    """``expert_offsets``, ``tokens_per_expert [L]`` int32 and a ``Routing``, each tensor its own allocation.
+
+    The custom ops (``moe_comm.ops``, torch.compile) need these: their outputs may not alias.
+    """
+    slab = (world, max_tokens_per_rank, topk)
+    routing = Routing(
+        num_tokens,
+        send_mask=torch.empty((num_tokens, world), dtype=torch.bool, device=device),
+        dest_rank=torch.empty((num_tokens, topk), dtype=torch.int32, device=device),
+        recv_pos=torch.empty(slab, dtype=torch.int32, device=device),
+        recv_weight=torch.empty(slab, dtype=torch.float32, device=device),
+    )
+    return (torch.empty(num_local_experts, dtype=torch.int32, device=device),
+            torch.empty(num_local_experts, dtype=torch.int32, device=device), routing)
+
+
+def _packed_outputs(num_tokens: int, world: int, max_tokens_per_rank: int, topk: int, num_local_experts: int,
+                    device: torch.device) -> tuple:
+    """``expert_offsets``, ``tokens_per_expert [L]`` int32 and a :class:`PackedRouting`, all in one allocation."""
+    slab_words = world * max_tokens_per_rank * topk
+    sizes = (num_local_experts, num_local_experts, -(-num_tokens * world // 4), num_tokens * topk, slab_words,
+             slab_words)
     starts = []
     words = 0
     for size in sizes:
         starts.append(words)
         words += -(-size // _PIECE_WORDS) * _PIECE_WORDS
     buffer = torch.empty(words, dtype=torch.int32, device=device)
-    slab = ((world, max_tokens_per_rank, topk), (max_tokens_per_rank * topk, topk, 1))
-    return (
-        buffer.as_strided((num_local_experts,), (1,), starts[0]),
-        buffer.as_strided((num_local_experts,), (1,), starts[1]),
-        buffer.as_strided((num_tokens, topk), (topk, 1), starts[2]),
-        buffer.as_strided(*slab, starts[3]),
-        buffer.view(torch.float32).as_strided(*slab, starts[4]),
-        buffer.view(torch.bool).as_strided((num_tokens, world), (world, 1), 4 * starts[5]),
-    )
+    routing = PackedRouting(num_tokens, buffer, tuple(starts[2:]), world, max_tokens_per_rank, topk)
+    return (buffer.as_strided((num_local_experts,), (1,), starts[0]),
+            buffer.as_strided((num_local_experts,), (1,), starts[1]), routing)
 
 
 class DeviceBackend(Backend):
@@ -227,33 +273,30 @@ class DeviceBackend(Backend):
         cfg = self.config
         device = self.device
         num_tokens = x.shape[0]
-        expert_offsets, tokens_per_expert, dest_rank, recv_pos, recv_weight, send_mask = _dispatch_outputs(
-            num_tokens, self.world_size, cfg.max_tokens_per_rank, cfg.topk, self.num_local_experts, device,
-            separate_outputs,
+        outputs = _separate_outputs if separate_outputs else _packed_outputs
+        expert_offsets, tokens_per_expert, routing = outputs(
+            num_tokens, self.world_size, cfg.max_tokens_per_rank, cfg.topk, self.num_local_experts, device
         )
         out_x = torch.empty((self.capacity_rows, cfg.hidden), dtype=self.dtype, device=device)
-        self._dispatch_kernels.dispatch(
-            x, topk_idx, topk_weights, send_mask, dest_rank, recv_pos, recv_weight, expert_offsets, tokens_per_expert,
-            out_x,
-        )
-        routing = Routing(num_tokens, send_mask, dest_rank, recv_pos, recv_weight)
+        self._dispatch_kernels.dispatch(x, topk_idx, topk_weights, _addresses(routing), expert_offsets,
+                                        tokens_per_expert, out_x)
         return DispatchResult(out_x, expert_offsets, tokens_per_expert, routing)
 
     def redispatch(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         out = torch.empty((self.capacity_rows, self.config.hidden), dtype=self.dtype, device=self.device)
-        self._dispatch_kernels.redispatch(x, routing.send_mask, routing.recv_pos, out)
+        self._dispatch_kernels.redispatch(x, _addresses(routing), out)
         return out
 
     def combine(self, y: torch.Tensor, routing: Routing, weighted: bool = True) -> torch.Tensor:
         z = torch.empty((routing.num_tokens, self.config.hidden), dtype=self.dtype, device=self.device)
-        self._combine_kernels.combine(y, routing.recv_pos, routing.recv_weight, weighted, routing.send_mask, z)
+        self._combine_kernels.combine(y, _addresses(routing), weighted, z)
         return z
 
     def return_entry_values(self, row_vector: torch.Tensor, routing: Routing) -> torch.Tensor:
         out = torch.empty((routing.num_tokens, self.config.topk), dtype=torch.float32, device=self.device)
         k = self._combine_kernels
-        k.values_send(row_vector.contiguous(), routing.recv_pos)
-        k.values_recv(routing.dest_rank, out)
+        k.values_send(row_vector.contiguous(), _addresses(routing))
+        k.values_recv(_addresses(routing), out)
         return out
 
     # ------------------------------------------------------------------ lifetime
