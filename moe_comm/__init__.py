@@ -7,6 +7,7 @@ from .config import Config, RouterConfig, load_config
 from .dispatcher import Dispatcher, DispatchHandle, DispatchOutput
 from .layer import MoELayer, MoEWeights, moe_aux_loss, update_expert_biases
 from .overlap import gemm_sm_carveout
+from .fp8 import dequantize, quantize
 from .protocol import StatusReport
 from .errors import (
     BackendError,
@@ -31,6 +32,8 @@ __all__ = [
     "moe_aux_loss",
     "update_expert_biases",
     "gemm_sm_carveout",
+    "quantize",
+    "dequantize",
     "MoeCommError",
     "ConfigError",
     "InputError",

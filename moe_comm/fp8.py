@@ -1,0 +1,80 @@
+"""FP8 rows with block scales: the format the peers dispatch in, and its reference quantizer.
+
+A row of ``H`` channels (``H`` a multiple of 128) becomes ``H`` float8 e4m3 values and ``H / 128``
+float32 scales, one per block of 128 consecutive channels (DeepEP's ``(x_fp8 [T, H], scales
+[T, H / 128])``): ``x ~= float(x_fp8) * scale`` channel by channel. For each block:
+
+* ``amax = max |x|`` over its 128 channels, in float32, at least ``MIN_AMAX`` (so an all-zero block
+  gets a tiny positive scale and quantizes to zeros);
+* ``scale = amax / 448`` (448: the largest e4m3 value), or with ``round_scale`` the smallest power
+  of two at least that (UE8M0 scales, as DeepEP's ``round_scale``: exact to apply, a little range lost);
+* ``x_fp8 = e4m3(clamp(x / scale, -448, 448))``, rounded to nearest even (the clamp only catches
+  the last-bit rounding of ``x / scale`` above 448 for the block's largest value).
+
+Non-finite inputs are not hidden: a block holding a NaN or an inf gets a non-finite scale, and
+:func:`dequantize` gives NaN for the whole block. Nothing reads the device on the host, so both
+functions run in CUDA graphs and under torch.compile.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import InputError
+
+__all__ = ["FP8_DTYPE", "FP8_MAX", "BLOCK", "MIN_AMAX", "quantize", "dequantize"]
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+BLOCK = 128
+MIN_AMAX = 1e-4  # as DeepEP's per-token cast: a zero block still gets a positive scale
+
+_SOURCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _check_rows(name: str, tensor, dtypes: tuple) -> None:
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() != 2:
+        got = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+        raise InputError(f"{name}: expected a 2-d tensor [T, H], got {got}")
+    if tensor.dtype not in dtypes:
+        raise InputError(f"{name}: expected dtype {' or '.join(str(d).removeprefix('torch.') for d in dtypes)}, "
+                         f"got {str(tensor.dtype).removeprefix('torch.')}")
+    if tensor.shape[1] % BLOCK:
+        raise InputError(f"{name}: hidden (dim 1) must be a multiple of {BLOCK} (one scale per {BLOCK} channels), "
+                         f"got {tensor.shape[1]}")
+
+
+def quantize(x: torch.Tensor, round_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [T, H]`` (bf16, fp16 or fp32; ``H`` a multiple of 128) -> ``(x_fp8 [T, H] e4m3, scales [T, H/128] f32)``.
+
+    The reference quantizer (see the module docstring for the math); on ``x``'s device.
+
+    Raises:
+        InputError: ``x`` is not 2-d, not of those dtypes, or ``H`` is not a multiple of 128.
+    """
+    _check_rows("quantize x", x, _SOURCE_DTYPES)
+    tokens, hidden = x.shape
+    blocks = x.float().reshape(tokens, hidden // BLOCK, BLOCK)
+    amax = blocks.abs().amax(dim=2).clamp_min(MIN_AMAX)  # amax and clamp_min keep a block's NaN
+    scales = amax / FP8_MAX
+    if round_scale:
+        scales = torch.exp2(torch.ceil(torch.log2(scales)))
+    values = (blocks / scales[:, :, None]).clamp(-FP8_MAX, FP8_MAX)
+    return values.to(FP8_DTYPE).reshape(tokens, hidden), scales
+
+
+def dequantize(x_fp8: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``x_fp8 [T, H]`` e4m3 and ``scales [T, H/128]`` float32 -> ``[T, H]`` in ``dtype`` (``float(x_fp8) * scale``).
+
+    Raises:
+        InputError: the shapes or dtypes do not match the format.
+    """
+    _check_rows("dequantize x_fp8", x_fp8, (FP8_DTYPE,))
+    tokens, hidden = x_fp8.shape
+    if not isinstance(scales, torch.Tensor) or scales.dtype != torch.float32 or \
+            tuple(scales.shape) != (tokens, hidden // BLOCK):
+        got = f"{tuple(scales.shape)} {scales.dtype}" if isinstance(scales, torch.Tensor) else type(scales).__name__
+        raise InputError(f"dequantize scales: expected float32 [{tokens}, {hidden // BLOCK}] (one per {BLOCK} "
+                         f"channels of x_fp8 [{tokens}, {hidden}]), got {got}")
+    blocks = x_fp8.float().reshape(tokens, hidden // BLOCK, BLOCK) * scales[:, :, None]
+    return blocks.reshape(tokens, hidden).to(dtype)

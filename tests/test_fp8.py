@@ -1,0 +1,91 @@
+"""moe_comm.quantize / dequantize (contract: FP8 format): the block-scaled e4m3 format against a
+straightforward float32 computation, its edge values, and its errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import moe_comm
+from moe_comm import InputError
+from moe_comm.fp8 import BLOCK, FP8_MAX, MIN_AMAX
+
+
+def _expected_scale(block: list[float], round_scale: bool) -> float:
+    amax = max(max(abs(v) for v in block), MIN_AMAX)
+    scale = torch.tensor(amax, dtype=torch.float32) / FP8_MAX  # float32, as the quantizer divides
+    return 2.0 ** math.ceil(math.log2(scale.item())) if round_scale else scale.item()
+
+
+@pytest.mark.parametrize("round_scale", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_scales_values_and_round_trip_match_a_float32_computation(round_scale, dtype):
+    gen = torch.Generator().manual_seed(0)
+    # Blocks of very different magnitudes, one of them all zeros.
+    x = torch.randn(3, 4 * BLOCK, generator=gen) * torch.tensor([1e-3, 1.0, 300.0, 0.0]).repeat_interleave(BLOCK)
+    x = x.to(dtype)
+    x_fp8, scales = moe_comm.quantize(x, round_scale=round_scale)
+    assert (x_fp8.dtype, x_fp8.shape, scales.dtype, scales.shape) == (torch.float8_e4m3fn, x.shape, torch.float32,
+                                                                      (3, 4))
+    for t in range(3):
+        for b in range(4):
+            block = x[t, b * BLOCK:(b + 1) * BLOCK].float()
+            scale = _expected_scale(block.tolist(), round_scale)
+            assert scales[t, b].item() == pytest.approx(scale, rel=1e-6), (t, b)
+            want = (block / scales[t, b]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+            assert torch.equal(x_fp8[t, b * BLOCK:(b + 1) * BLOCK].view(torch.uint8), want.view(torch.uint8)), (t, b)
+    back = moe_comm.dequantize(x_fp8, scales, dtype=torch.float32)
+    # e4m3 keeps 3 mantissa bits: within half a unit in the last place (2^-4) of the block's largest value.
+    blocks = x.float().reshape(3, 4, BLOCK)
+    bound = blocks.abs().amax(dim=2, keepdim=True) * 2.0 ** -4 * (2 if round_scale else 1) + 1e-30
+    assert torch.all((back.reshape(3, 4, BLOCK) - blocks).abs() <= bound)
+    assert torch.all(back[:, 3 * BLOCK:] == 0), "an all-zero block must come back as zeros"
+
+
+def test_the_largest_value_of_a_block_lands_on_448_and_nothing_overflows():
+    x = torch.zeros(1, BLOCK)
+    x[0, :4] = torch.tensor([3.0e4, -3.0e4, 1.0, 1e-6])
+    x_fp8, scales = moe_comm.quantize(x)
+    assert x_fp8[0, :2].float().tolist() == [FP8_MAX, -FP8_MAX]
+    assert not torch.isnan(x_fp8.float()).any()
+    assert x_fp8[0, 3].float().item() == 0.0  # far below the block's scale: flushed to zero
+    # Huge and tiny blocks stay finite: float32 scales cover them.
+    for magnitude in (1e30, 1e-30):
+        x_fp8, scales = moe_comm.quantize(torch.full((1, BLOCK), magnitude))
+        assert torch.isfinite(scales).all() and x_fp8.float().abs().max().item() <= FP8_MAX
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_non_finite_value_makes_its_block_nan_and_leaves_the_others(bad):
+    x = torch.ones(2, 2 * BLOCK)
+    x[1, BLOCK + 5] = bad
+    x_fp8, scales = moe_comm.quantize(x)
+    back = moe_comm.dequantize(x_fp8, scales)
+    assert torch.isnan(back[1, BLOCK:]).all(), "the block holding it"
+    assert torch.equal(back[0], torch.ones(2 * BLOCK, dtype=torch.bfloat16))
+    assert torch.equal(back[1, :BLOCK], torch.ones(BLOCK, dtype=torch.bfloat16))
+
+
+def test_round_scale_gives_powers_of_two_at_least_the_exact_scale():
+    x = torch.randn(4, 2 * BLOCK, generator=torch.Generator().manual_seed(1)) * 7
+    _, exact = moe_comm.quantize(x)
+    _, rounded = moe_comm.quantize(x, round_scale=True)
+    assert torch.all(rounded >= exact)
+    assert torch.all(torch.frexp(rounded).mantissa == 0.5)
+
+
+@pytest.mark.parametrize("call, words", [
+    (lambda: moe_comm.quantize(torch.zeros(2, 100)), ["quantize x", "multiple of 128", "100"]),
+    (lambda: moe_comm.quantize(torch.zeros(2, BLOCK, dtype=torch.int32)), ["quantize x", "int32"]),
+    (lambda: moe_comm.quantize(torch.zeros(BLOCK)), ["quantize x", "2-d", "(128,)"]),
+    (lambda: moe_comm.dequantize(torch.zeros(2, BLOCK), torch.ones(2, 1)), ["x_fp8", "float8_e4m3fn", "float32"]),
+    (lambda: moe_comm.dequantize(torch.zeros(2, BLOCK).to(torch.float8_e4m3fn), torch.ones(2, 2)),
+     ["scales", "[2, 1]", "(2, 2)"]),
+])
+def test_bad_input_is_refused_by_name(call, words):
+    with pytest.raises(InputError) as info:
+        call()
+    for word in words:
+        assert word in str(info.value), str(info.value)
