@@ -6,10 +6,12 @@ float32 scales, one per block of 128 consecutive channels (DeepEP's ``(x_fp8 [T,
 
 * ``amax = max |x|`` over its 128 channels, in float32, at least ``MIN_AMAX`` (so an all-zero block
   gets a tiny positive scale and quantizes to zeros);
-* ``scale = amax / 448`` (448: the largest e4m3 value), or with ``round_scale`` the smallest power
-  of two at least that (UE8M0 scales, as DeepEP's ``round_scale``: exact to apply, a little range lost);
+* ``scale = amax * float32(1 / 448)`` (448: the largest e4m3 value; a multiply, so that every
+  device rounds it alike), or with ``round_scale`` the smallest power of two at least that (UE8M0
+  scales, as DeepEP's ``round_scale``: exact to apply, a little range lost);
 * ``x_fp8 = e4m3(clamp(x / scale, -448, 448))``, rounded to nearest even (the clamp only catches
   the last-bit rounding of ``x / scale`` above 448 for the block's largest value).
+  ``x / scale`` divides tensor by tensor, which rounds alike on the CPU and on CUDA GPUs.
 
 Non-finite inputs are not hidden: a block holding a NaN or an inf gets a non-finite scale, and
 :func:`dequantize` gives NaN for the whole block. Nothing reads the device on the host, so both
@@ -56,7 +58,9 @@ def quantize(x: torch.Tensor, round_scale: bool = False) -> tuple[torch.Tensor, 
     tokens, hidden = x.shape
     blocks = x.float().reshape(tokens, hidden // BLOCK, BLOCK)
     amax = blocks.abs().amax(dim=2).clamp_min(MIN_AMAX)  # amax and clamp_min keep a block's NaN
-    scales = amax / FP8_MAX
+    # A multiply by the float32 reciprocal, not a division: CUDA divides a tensor by a scalar that
+    # way, and the CPU and GPU must give the same scales (and a kernel can do the same).
+    scales = amax * torch.tensor(1.0 / FP8_MAX, dtype=torch.float32, device=amax.device)
     if round_scale:
         scales = torch.exp2(torch.ceil(torch.log2(scales)))
     values = (blocks / scales[:, :, None]).clamp(-FP8_MAX, FP8_MAX)

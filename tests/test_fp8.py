@@ -15,7 +15,8 @@ from moe_comm.fp8 import BLOCK, FP8_MAX, MIN_AMAX
 
 def _expected_scale(block: list[float], round_scale: bool) -> float:
     amax = max(max(abs(v) for v in block), MIN_AMAX)
-    scale = torch.tensor(amax, dtype=torch.float32) / FP8_MAX  # float32, as the quantizer divides
+    # float32 amax times the float32 reciprocal of 448, as the quantizer computes it.
+    scale = torch.tensor(amax, dtype=torch.float32) * torch.tensor(1 / FP8_MAX, dtype=torch.float32)
     return 2.0 ** math.ceil(math.log2(scale.item())) if round_scale else scale.item()
 
 
