@@ -20,7 +20,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import driver, jit, nvshmem_build, protocol
+from . import driver, fp8, jit, nvshmem_build, protocol
 from .kernel_params import kernel_params
 from .errors import BackendError
 
@@ -67,12 +67,17 @@ def compile_for_config(config, arch: str) -> list:
     """Compile (or find cached) both kernel files for ``arch`` as ``config`` runs them; returns the cubin paths.
 
     The defines are the config's dtype, hidden and topk; a config on the ``nvshmem`` backend with
-    ``transport: put`` gets the put-transport build (NVSHMEM's headers must be installed). No GPU needed.
+    ``transport: put`` gets the put-transport build (NVSHMEM's headers must be installed), one with
+    ``dispatch_dtype`` also the dispatch build for packed FP8 rows. No GPU needed.
     """
     put = config.backend == "nvshmem" and config.nvshmem.transport == "put"
     defines = kernel_defines(config.torch_dtype, config.hidden, config.topk, put_transport=put)
     toolchain = nvshmem_build.toolchain() if put else jit.Toolchain()
-    return [jit.compile_source(name, arch=arch, defines=defines, toolchain=toolchain) for name in ("dispatch", "combine")]
+    builds = [("dispatch", defines), ("combine", defines)]
+    if config.dispatch_dtype is not None:  # FP8 dispatch's build for packed rows (see backends/device.py)
+        builds.append(("dispatch", kernel_defines(torch.bfloat16, fp8.packed_row_bytes(config.hidden) // 2,
+                                                  config.topk, put_transport=put)))
+    return [jit.compile_source(name, arch=arch, defines=row_defines, toolchain=toolchain) for name, row_defines in builds]
 
 
 class RoutingAddresses(NamedTuple):

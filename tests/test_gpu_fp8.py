@@ -1,5 +1,7 @@
-"""The FP8 reference quantizer on a GPU gives the CPU's bytes (contract: FP8 format): the CUDA
-cast to e4m3 rounds as the CPU's does, so either device can be the yardstick."""
+"""FP8 on the GPU (contract: FP8 format). The reference quantizer gives the CPU's bytes (the CUDA
+cast to e4m3 rounds as the CPU's does, so either device can be the yardstick), and FP8 dispatch on
+every device backend gives the reference backend's rows, scales and layout bit for bit, eager and
+graph-replayed with new rows and routing."""
 
 from __future__ import annotations
 
@@ -27,3 +29,67 @@ def test_quantize_on_gpu_equals_cpu_bitwise(round_scale, requires_gpus):
     assert torch.allclose(got[1].cpu(), want[1], rtol=0, atol=0, equal_nan=True)  # NaN scales of the bad blocks
     back = moe_comm.dequantize(*got)
     assert torch.equal(back.cpu().isnan(), moe_comm.dequantize(*want).isnan())
+
+
+TOKENS, HIDDEN, EXPERTS, TOPK = 64, 512, 8, 2
+FP8_CONFIG = dict(num_experts=EXPERTS, topk=TOPK, hidden=HIDDEN, max_tokens_per_rank=TOKENS, expert_alignment=16,
+                  dtype="bfloat16", dispatch_dtype="float8_e4m3fn")
+
+
+def _fp8_inputs(gen: torch.Generator):
+    x = (torch.randn(TOKENS, HIDDEN, generator=gen) * torch.logspace(-3, 3, HIDDEN)).to(torch.bfloat16)
+    idx = torch.randint(0, EXPERTS, (TOKENS, TOPK), generator=gen)
+    idx[torch.rand(TOKENS, TOPK, generator=gen) < 0.2] = -1
+    return x, idx, torch.rand(TOKENS, TOPK, generator=gen)
+
+
+def _same_output(out, ref) -> bool:
+    end = int(ref.expert_offsets[-1])
+    return (torch.equal(out.expert_offsets.cpu(), ref.expert_offsets)
+            and torch.equal(out.x[:end].cpu().view(torch.uint8), ref.x[:end].view(torch.uint8))
+            and torch.equal(out.x_scales[:end].cpu(), ref.x_scales[:end]))
+
+
+def _rank_fp8_dispatch(rank: int, world: int, backend_id: str) -> list:
+    import torch.distributed as dist
+
+    from gpu_backends import GPU_BACKENDS
+
+    backend, section = GPU_BACKENDS[backend_id]
+    gloo = dist.new_group(backend="gloo")
+    gen = torch.Generator().manual_seed(rank)
+    results = []
+    with moe_comm.Dispatcher(moe_comm.load_config(None, backend=backend, **section, **FP8_CONFIG)) as dev, \
+            moe_comm.Dispatcher(moe_comm.load_config(None, backend="reference", **FP8_CONFIG), group=gloo) as ref:
+        device = dev.device
+        x, idx, weights = _fp8_inputs(gen)
+        results.append(_same_output(dev.dispatch(x.to(device), idx.to(device), weights.to(device)),
+                                    ref.dispatch(x, idx, weights)))
+        # Pre-quantized pairs, captured once and replayed with new rows and routing.
+        static = [t.to(device) for t in (*moe_comm.quantize(x), idx, weights)]
+        out = dev.dispatch((static[0], static[1]), static[2], static[3])
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = dev.dispatch((static[0], static[1]), static[2], static[3])
+        for _ in range(3):
+            x, idx, weights = _fp8_inputs(gen)
+            for target, value in zip(static, (*moe_comm.quantize(x), idx, weights)):
+                target.copy_(value)
+            graph.replay()
+            torch.cuda.synchronize(device)
+            results.append(_same_output(out, ref.dispatch(moe_comm.quantize(x), idx, weights)))
+        dev.check()
+    return results
+
+
+@pytest.mark.parametrize("backend_id, world", [("vmm", 1), ("vmm", 2), ("nvshmem-p2p", 1), ("nccl-symmetric", 1),
+                                               ("nccl-collective", 1)])
+def test_fp8_dispatch_equals_reference_bitwise(backend_id, world, requires_gpus):
+    from gpu_backends import dist_backend_for, gpus_needed
+    from multirank import run_ranks
+
+    gpus = requires_gpus(gpus_needed(backend_id, world))
+    per_rank = run_ranks(_rank_fp8_dispatch, world, backend_id, dist_backend=dist_backend_for(world, gpus), gpu=True,
+                         timeout_s=300)
+    for rank, same in enumerate(per_rank):
+        assert same == [True] * 4, f"rank {rank}: eager, then 3 replays: {same}"
