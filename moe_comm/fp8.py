@@ -65,8 +65,9 @@ def quantize(x: torch.Tensor, round_scale: bool = False) -> tuple[torch.Tensor, 
     blocks = x.float().reshape(tokens, hidden // BLOCK, BLOCK)
     amax = blocks.abs().amax(dim=2).clamp_min(MIN_AMAX)  # amax and clamp_min keep a block's NaN
     # A multiply by the float32 reciprocal, not a division: CUDA divides a tensor by a scalar that
-    # way, and the CPU and GPU must give the same scales (and a kernel can do the same).
-    scales = amax * torch.tensor(1.0 / FP8_MAX, dtype=torch.float32, device=amax.device)
+    # way, and the CPU and GPU must give the same scales (and a kernel can do the same). The
+    # scalar is rounded to float32 on both (no tensor is made: the call stays graph-capturable).
+    scales = amax * (1.0 / FP8_MAX)
     if round_scale:
         scales = torch.exp2(torch.ceil(torch.log2(scales)))
     values = (blocks / scales[:, :, None]).clamp(-FP8_MAX, FP8_MAX)

@@ -1,7 +1,8 @@
 """FP8 on the GPU (contract: FP8 format). The reference quantizer gives the CPU's bytes (the CUDA
 cast to e4m3 rounds as the CPU's does, so either device can be the yardstick), and FP8 dispatch on
-every device backend gives the reference backend's rows, scales and layout bit for bit, eager and
-graph-replayed with new rows and routing."""
+every device backend gives the reference backend's rows, scales and layout bit for bit: a
+pre-quantized pair eagerly, and bf16 rows quantized inside the call, captured in a CUDA graph and
+replayed with new rows and routing."""
 
 from __future__ import annotations
 
@@ -63,21 +64,23 @@ def _rank_fp8_dispatch(rank: int, world: int, backend_id: str) -> list:
             moe_comm.Dispatcher(moe_comm.load_config(None, backend="reference", **FP8_CONFIG), group=gloo) as ref:
         device = dev.device
         x, idx, weights = _fp8_inputs(gen)
-        results.append(_same_output(dev.dispatch(x.to(device), idx.to(device), weights.to(device)),
+        # A pre-quantized pair, eagerly.
+        pair = tuple(t.to(device) for t in moe_comm.quantize(x))
+        results.append(_same_output(dev.dispatch(pair, idx.to(device), weights.to(device)),
                                     ref.dispatch(x, idx, weights)))
-        # Pre-quantized pairs, captured once and replayed with new rows and routing.
-        static = [t.to(device) for t in (*moe_comm.quantize(x), idx, weights)]
-        out = dev.dispatch((static[0], static[1]), static[2], static[3])
+        # bf16 rows, quantized inside the call: captured once, replayed with new rows and routing.
+        static = [t.to(device) for t in (x, idx, weights)]
+        out = dev.dispatch(*static)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = dev.dispatch((static[0], static[1]), static[2], static[3])
+            out = dev.dispatch(*static)
         for _ in range(3):
             x, idx, weights = _fp8_inputs(gen)
-            for target, value in zip(static, (*moe_comm.quantize(x), idx, weights)):
+            for target, value in zip(static, (x, idx, weights)):
                 target.copy_(value)
             graph.replay()
             torch.cuda.synchronize(device)
-            results.append(_same_output(out, ref.dispatch(moe_comm.quantize(x), idx, weights)))
+            results.append(_same_output(out, ref.dispatch(x, idx, weights)))
         dev.check()
     return results
 
