@@ -132,6 +132,26 @@ class Dispatcher:
         self._backend = entry.create(config, group, self.device)
         ops.register_backend(self._id, self._backend)
         self._closed = False
+        self._fp8_kernels = self._load_fp8_kernels()
+
+    def _load_fp8_kernels(self):
+        """The one-pass packing kernels of FP8 dispatch where the GPU has them, else None (torch packs)."""
+        if self.config.dispatch_dtype is None or self.device.type != "cuda":
+            return None
+        from .kernels import FP8_KERNELS_MIN_ARCH, Fp8PackKernels
+
+        if torch.cuda.get_device_capability(self.device) < FP8_KERNELS_MIN_ARCH:
+            return None
+        return Fp8PackKernels(self.device, self.config.torch_dtype, self.config.hidden)
+
+    def _pack_fp8(self, x) -> torch.Tensor:
+        """Packed FP8 rows (``moe_comm.fp8.pack``) of ``x`` or of an ``(x_fp8, x_scales)`` pair, in one pass on a GPU."""
+        kernels, round_scale = self._fp8_kernels, self.config.dispatch_round_scale
+        if isinstance(x, tuple):
+            return kernels.pack_pairs(*x) if kernels is not None else fp8.pack(*x)
+        if kernels is not None and not round_scale:
+            return kernels.quantize_pack(x)
+        return fp8.pack(*fp8.quantize(x, round_scale=round_scale))
 
     def _check_same_config(self) -> list[tuple[str, str]]:
         """Compare the configs of all ranks (one gather); returns every rank's host identity.
@@ -233,14 +253,15 @@ class Dispatcher:
             _check_tensor("x_fp8", x_fp8, (None, cfg.hidden), (fp8.FP8_DTYPE,), self.device, "float8_e4m3fn")
             _check_tensor("x_scales", x_scales, (x_fp8.shape[0], cfg.hidden // fp8.BLOCK), (torch.float32,),
                           self.device, "float32")
+            num_tokens = x_fp8.shape[0]
         else:
             _check_tensor("x", x, (None, cfg.hidden), (cfg.torch_dtype,), self.device, cfg.dtype)
             if torch.is_grad_enabled() and x.requires_grad:
                 raise InputError("x: requires grad, but FP8 dispatch (dispatch_dtype float8_e4m3fn) has no backward "
                                  "yet; dispatch under torch.no_grad() (inference), or with dispatch_dtype null to train")
-            x_fp8, x_scales = fp8.quantize(x, round_scale=cfg.dispatch_round_scale)
-        self._check_routing(x_fp8.shape[0], topk_idx, topk_weights)
-        result = backend.dispatch(fp8.pack(x_fp8, x_scales), topk_idx, topk_weights)
+            num_tokens = x.shape[0]
+        self._check_routing(num_tokens, topk_idx, topk_weights)
+        result = backend.dispatch(self._pack_fp8(x), topk_idx, topk_weights)
         out_x, out_scales = fp8.unpack(result.x, cfg.hidden)
         handle = DispatchHandle(self._id, result.routing, topk_weights)
         if cfg.check_every_step:

@@ -32,6 +32,35 @@ def test_quantize_on_gpu_equals_cpu_bitwise(round_scale, requires_gpus):
     assert torch.equal(back.cpu().isnan(), moe_comm.dequantize(*want).isnan())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_packing_kernels_give_the_reference_bytes(dtype, requires_gpus):
+    requires_gpus(1)
+    from moe_comm import fp8
+    from moe_comm.kernels import FP8_KERNELS_MIN_ARCH, Fp8PackKernels
+
+    if torch.cuda.get_device_capability() < FP8_KERNELS_MIN_ARCH:
+        pytest.skip("the packing kernels need compute capability 8.9 (FP8 dispatch packs with torch here)")
+    gen = torch.Generator().manual_seed(4)
+    tokens, hidden = 37, 1152  # an odd number of 128-channel blocks in all: the last warp is half idle
+    x = (torch.randn(tokens, hidden, generator=gen) * torch.logspace(-8, 8, hidden)).to(dtype)
+    x[3, 5], x[4, 700], x[5, 300] = float("nan"), float("inf"), -float("inf")
+    x[6, 128:256] = 0
+    x[7, :128] = 1e-30
+    want = fp8.pack(*fp8.quantize(x))
+    kernels = Fp8PackKernels(torch.device("cuda", 0), dtype, hidden)
+    got = kernels.quantize_pack(x.cuda()).cpu()
+    x_fp8, scales = fp8.unpack(want, hidden)
+    nan_values, nan_scales = x_fp8.float().isnan(), scales.isnan()
+    got_fp8, got_scales = fp8.unpack(got, hidden)
+    assert torch.equal(got_fp8.float().isnan(), nan_values) and torch.equal(got_scales.isnan(), nan_scales)
+    # Every byte but the NaNs' (a NaN's sign and payload may differ) is the reference's.
+    finite_bytes = torch.cat([~nan_values, ~nan_scales.repeat_interleave(4, dim=1),
+                              torch.ones(tokens, want.shape[1] - hidden - 4 * (hidden // 128), dtype=torch.bool)], 1)
+    assert torch.equal(got[finite_bytes], want[finite_bytes])
+    pairs = kernels.pack_pairs(*(t.cuda() for t in fp8.quantize(x.float().nan_to_num())))
+    assert torch.equal(pairs.cpu(), fp8.pack(*fp8.quantize(x.float().nan_to_num())))
+
+
 TOKENS, HIDDEN, EXPERTS, TOPK = 64, 512, 8, 2
 FP8_CONFIG = dict(num_experts=EXPERTS, topk=TOPK, hidden=HIDDEN, max_tokens_per_rank=TOKENS, expert_alignment=16,
                   dtype="bfloat16", dispatch_dtype="float8_e4m3fn")
