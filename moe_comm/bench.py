@@ -46,6 +46,7 @@ from .errors import ConfigError
 from .dispatcher import Dispatcher
 from .errors import BackendError
 from .overlap import gemm_sm_carveout
+from .fp8 import dequantize, packed_row_bytes
 
 __all__ = ["BenchOptions", "bench_rank", "write_results", "main"]
 
@@ -72,6 +73,8 @@ class BenchOptions:
     budget_sweep / sweep_tokens: ``sm_budget`` values timed (graph-replayed, uniform routing) at these T.
     overlap_budgets / overlap_tokens: ``sm_budget`` values at which dispatch+combine runs beside a
     bf16 GEMM of ``overlap_gemm`` cubed on another stream (see :func:`_measure_overlap`), at this T.
+    fp8: also time moe_comm with ``dispatch_dtype: float8_e4m3fn`` on every workload (rows
+    ``moe_comm fp8 dispatch``; bytes are the packed e4m3 rows with their scales).
     """
 
     tokens: tuple = (1, 32, 128, 512, 1024, 4096)
@@ -91,6 +94,7 @@ class BenchOptions:
     overlap_budgets: tuple = ()
     overlap_tokens: int = 4096
     overlap_gemm: int = 8192
+    fp8: bool = False
 
 
 @dataclass
@@ -230,33 +234,44 @@ def _no_prepare(i: int) -> None:
     """Nothing to set up before a measurement (eager calls rotate their inputs themselves)."""
 
 
+def _expert_rows(disp: Dispatcher, out) -> torch.Tensor:
+    """Identity experts: the dispatched rows in the config dtype (FP8 rows dequantized)."""
+    return out.x if out.x_scales is None else dequantize(out.x, out.x_scales, disp.config.torch_dtype)
+
+
 def _moe_comm_step(disp: Dispatcher, inputs: tuple) -> torch.Tensor:
     """Dispatch ``inputs`` (x, topk_idx, topk_weights), identity experts, combine: ``z [T, H]``."""
     out = disp.dispatch(*inputs)
-    return disp.combine(out.x, out.handle)
+    return disp.combine(_expert_rows(disp, out), out.handle)
 
 
-def _config(options: BenchOptions, work: _Workload, sm_budget: Optional[int]):
+def _config(options: BenchOptions, work: _Workload, sm_budget: Optional[int], dispatch_dtype: Optional[str] = None):
     return load_config(
         None, backend=options.backend, num_experts=options.num_experts, topk=options.topk, hidden=options.hidden,
         max_tokens_per_rank=max(work.static[0].shape[0], 1), dtype=options.dtype, num_sms=options.num_sms,
-        sm_budget=sm_budget,
+        sm_budget=sm_budget, dispatch_dtype=dispatch_dtype,
     )
 
 
-def _measure_moe_comm(options: BenchOptions, work: _Workload, group, sm_budget: Optional[int], graphs: bool) -> dict:
-    """Times (per mode), the combine error and the bytes of one workload on moe_comm."""
-    cfg = _config(options, work, sm_budget)
+def _measure_moe_comm(options: BenchOptions, work: _Workload, group, sm_budget: Optional[int], graphs: bool,
+                      dispatch_dtype: Optional[str] = None) -> dict:
+    """Times (per mode), the combine error and the bytes of one workload on moe_comm.
+
+    ``dispatch_dtype``: the config's (FP8 dispatch quantizes the bf16 inputs inside the timed
+    dispatch; the identity experts dequantize, outside the dispatch and combine times).
+    """
+    cfg = _config(options, work, sm_budget, dispatch_dtype)
     result = {}
     with Dispatcher(cfg, group=group) as disp:
         timer = _Timer(disp.device, group, options.repeats, options.warmup)
         x, _, weights = work.static
         out = disp.dispatch(*work.static)
-        result["error"] = _close(disp.combine(out.x, out.handle), _expected(x, weights))
+        expert_rows = _expert_rows(disp, out)
+        result["error"] = _close(disp.combine(expert_rows, out.handle), _expected(x, weights))
         routing = out.handle.routing
         others = torch.ones(disp.world_size, dtype=torch.bool, device=disp.device)
         others[disp.rank] = False
-        row_bytes = options.hidden * x.element_size()
+        row_bytes = options.hidden * x.element_size() if dispatch_dtype is None else packed_row_bytes(options.hidden)
         result["cross_bytes"] = int(routing.send_mask[:, others].sum()) * row_bytes
         result["received_bytes"] = int((routing.recv_pos != -1).any(dim=2).sum()) * row_bytes
 
@@ -266,7 +281,7 @@ def _measure_moe_comm(options: BenchOptions, work: _Workload, group, sm_budget: 
             latest["out"] = disp.dispatch(*work.next_set())
 
         def eager_combine() -> None:
-            disp.combine(latest["out"].x, latest["out"].handle)
+            disp.combine(expert_rows, latest["out"].handle)
 
         result["eager"] = {
             "dispatch_us": timer.median_us(eager_dispatch, _no_prepare, calls=EAGER_CALLS),
@@ -276,7 +291,7 @@ def _measure_moe_comm(options: BenchOptions, work: _Workload, group, sm_budget: 
         }
         if graphs and disp.device.type == "cuda":
             graph_d, graph_out = _graph(disp.device, lambda: disp.dispatch(*work.static))
-            graph_c, _ = _graph(disp.device, lambda: disp.combine(graph_out.x, graph_out.handle))
+            graph_c, _ = _graph(disp.device, lambda: disp.combine(expert_rows, graph_out.handle))
             graph_all, _ = _graph(disp.device, lambda: _moe_comm_step(disp, work.static))
             result["graph"] = {
                 "dispatch_us": timer.median_us(graph_d.replay, work.load, replay=True),
@@ -448,6 +463,11 @@ def bench_rank(rank: int, world_size: int, options: BenchOptions) -> list[dict]:
             moe = _measure_moe_comm(options, work, group, options.sm_budget, graphs=True)
             rows += _rows("moe_comm", moe, num_tokens, routing, options.num_sms,
                           moe["cross_bytes"], moe["received_bytes"], options.sm_budget)
+            if options.fp8:
+                moe8 = _measure_moe_comm(options, work, group, options.sm_budget, graphs=True,
+                                         dispatch_dtype="float8_e4m3fn")
+                rows += _rows("moe_comm fp8 dispatch", moe8, num_tokens, routing, options.num_sms,
+                              moe8["cross_bytes"], moe8["received_bytes"], options.sm_budget)
             if options.baselines and device.type == "cuda":
                 # The baselines move every assignment (no dedup): bytes are those moe_comm moves at best,
                 # so their bandwidth columns stay empty rather than compare unlike quantities.
@@ -610,6 +630,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--overlap", type=int, nargs="*", default=None, metavar="BUDGET",
                         help="time dispatch+combine beside a GEMM on another stream at these sm_budget values "
                              f"(default with no values: 132 64 24 16 8 4), T = {defaults.overlap_tokens}")
+    parser.add_argument("--fp8", action="store_true",
+                        help="also time FP8 dispatch (dispatch_dtype float8_e4m3fn) on every workload; needs a "
+                             "hidden that is a multiple of 128")
     parser.add_argument("--ranks", type=int, default=2, help="CPU ranks when there is no GPU")
     parser.add_argument("--name", default=None, help="results file name (default: from the machine)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"),
@@ -628,7 +651,7 @@ def _options(args: argparse.Namespace, gpus: int) -> BenchOptions:
         num_sms=args.num_sms, repeats=chosen["repeats"], baselines=not args.no_baselines,
         sm_budget=args.sm_budget, budget_sweep=tuple(args.sweep_budget),
         overlap_budgets=_OVERLAP_BUDGETS if args.overlap == [] else tuple(args.overlap or ()),
-        dtype="bfloat16" if gpus else "float32",
+        dtype="bfloat16" if gpus else "float32", fp8=args.fp8,
     )
 
 
@@ -648,6 +671,7 @@ def _check_options(options: BenchOptions, world_size: int) -> None:
     config = load_config(
         None, backend=options.backend, num_experts=options.num_experts, topk=options.topk, hidden=options.hidden,
         max_tokens_per_rank=max(options.tokens), dtype=options.dtype, num_sms=options.num_sms,
+        dispatch_dtype="float8_e4m3fn" if options.fp8 else None,
     )
     config.check_world(world_size)
 

@@ -25,6 +25,7 @@ from .errors import ConfigError
 __all__ = [
     "BACKENDS",
     "DTYPES",
+    "DISPATCH_DTYPES",
     "EXPERT_IMPLS",
     "Config",
     "VmmConfig",
@@ -38,6 +39,7 @@ __all__ = [
 
 BACKENDS = ("auto",) + registry.BACKEND_NAMES
 EXPERT_IMPLS = ("auto", "grouped_mm", "loop")
+DISPATCH_DTYPES = ("float8_e4m3fn",)
 ROUTER_SCORES = ("softmax", "sigmoid")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -237,6 +239,12 @@ class Config:
     num_sms: blocks (one per SM) of the kernels that push token rows to peers (dispatch's and
         redispatch's senders), within ``sm_budget``; the receiving side's layout, expansion and
         combine, which mostly read and write local memory, use every SM of the budget.
+    dispatch_dtype: ``null`` (dispatch moves rows in ``dtype``) or ``float8_e4m3fn``: dispatch
+        moves e4m3 rows with one float32 scale per 128 channels (:mod:`moe_comm.fp8`; ``hidden`` a
+        multiple of 128) and returns ``out.x`` in e4m3 with ``out.x_scales``; combine stays in
+        ``dtype``.
+    dispatch_round_scale: with ``float8_e4m3fn``, power-of-two (UE8M0) scales, as DeepEP's
+        ``round_scale``.
     timeout_s: longest wait on another rank before the wait gives up and reports the peer
         and the phase.
     check_every_step: read the device status after every call and raise on a fault (a host
@@ -256,6 +264,8 @@ class Config:
     experts: str = "auto"
     sm_budget: Optional[int] = None
     num_sms: int = 24
+    dispatch_dtype: Optional[str] = None
+    dispatch_round_scale: bool = False
     timeout_s: float = 30.0
     check_every_step: bool = False
     vmm: VmmConfig = field(default_factory=VmmConfig)
@@ -283,6 +293,12 @@ class Config:
         if self.sm_budget is not None:
             _check_int("sm_budget", self.sm_budget, 1)
         _check_int("num_sms", self.num_sms, 1)
+        if self.dispatch_dtype is not None:
+            _check_choice("dispatch_dtype", self.dispatch_dtype, DISPATCH_DTYPES)
+            if self.hidden % 128:
+                raise _fail("hidden", self.hidden, f"a multiple of 128 with dispatch_dtype {self.dispatch_dtype} "
+                            "(one scale per 128 channels)")
+        _check_bool("dispatch_round_scale", self.dispatch_round_scale)
         _check_float("timeout_s", self.timeout_s)
         if not isinstance(self.check_every_step, bool):
             raise _fail("check_every_step", self.check_every_step, "true or false")

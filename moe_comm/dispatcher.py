@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import ops, protocol
+from . import fp8, ops, protocol
 from .agreement import agree
 from .protocol import StatusReport
 from .routing import Routing
@@ -50,12 +50,17 @@ class DispatchOutput:
     expert_offsets: ``[L]`` int32 cumulative end offsets (the ``offs`` of ``torch._grouped_mm``).
     tokens_per_expert: ``[L]`` int32 valid rows per local expert.
     handle: pass to :meth:`Dispatcher.combine`.
+    x_scales: with the config's ``dispatch_dtype`` (``x`` is then e4m3): ``[capacity_rows, H / 128]``
+        float32, one scale per 128 channels of each row of ``x`` (:mod:`moe_comm.fp8`; zeros on the
+        padding rows); ``x`` and ``x_scales`` are views of one allocation of packed rows, so neither
+        is contiguous (row stride ``moe_comm.fp8.packed_row_bytes(H)`` bytes). None otherwise.
     """
 
     x: torch.Tensor
     expert_offsets: torch.Tensor
     tokens_per_expert: torch.Tensor
     handle: DispatchHandle
+    x_scales: Optional[torch.Tensor] = None
 
 
 def _describe(name: str, tensor: torch.Tensor) -> str:
@@ -127,6 +132,26 @@ class Dispatcher:
         self._backend = entry.create(config, group, self.device)
         ops.register_backend(self._id, self._backend)
         self._closed = False
+        self._fp8_kernels = self._load_fp8_kernels()
+
+    def _load_fp8_kernels(self):
+        """The one-pass packing kernels of FP8 dispatch where the GPU has them, else None (torch packs)."""
+        if self.config.dispatch_dtype is None or self.device.type != "cuda":
+            return None
+        from .kernels import FP8_KERNELS_MIN_ARCH, Fp8PackKernels
+
+        if torch.cuda.get_device_capability(self.device) < FP8_KERNELS_MIN_ARCH:
+            return None
+        return Fp8PackKernels(self.device, self.config.torch_dtype, self.config.hidden)
+
+    def _pack_fp8(self, x) -> torch.Tensor:
+        """Packed FP8 rows (``moe_comm.fp8.pack``) of ``x`` or of an ``(x_fp8, x_scales)`` pair, in one pass on a GPU."""
+        kernels, round_scale = self._fp8_kernels, self.config.dispatch_round_scale
+        if isinstance(x, tuple):
+            return kernels.pack_pairs(*x) if kernels is not None else fp8.pack(*x)
+        if kernels is not None and not round_scale:
+            return kernels.quantize_pack(x)
+        return fp8.pack(*fp8.quantize(x, round_scale=round_scale))
 
     def _check_same_config(self) -> list[tuple[str, str]]:
         """Compare the configs of all ranks (one gather); returns every rank's host identity.
@@ -169,29 +194,31 @@ class Dispatcher:
     def _capturing(self) -> bool:
         return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
-    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> DispatchOutput:
+    def dispatch(self, x, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> DispatchOutput:
         """Send every token to the ranks holding its experts and lay the rows out expert-major.
 
         Args:
             x: ``[T, H]`` tokens, ``T <= max_tokens_per_rank``, the config dtype, contiguous, on ``self.device``.
+                With the config's ``dispatch_dtype`` (FP8) also a pre-quantized pair ``(x_fp8 [T, H]
+                float8_e4m3fn, x_scales [T, H / 128] float32)`` (:func:`moe_comm.quantize`'s format);
+                a tensor is quantized first (:func:`moe_comm.quantize`, ``dispatch_round_scale``).
             topk_idx: ``[T, K]`` int32/int64 global expert ids in ``[0, num_experts)``, or -1 for none.
                 Other values are dropped and recorded in the device status (see :meth:`check`).
             topk_weights: ``[T, K]`` float32 router weights (used by :meth:`combine`).
 
         Returns:
-            A :class:`DispatchOutput`; differentiable with respect to ``x``.
+            A :class:`DispatchOutput`; differentiable with respect to ``x`` (FP8 dispatch: not yet,
+            an ``x`` that requires grad is refused).
         """
         backend = self._live_backend()
         cfg = self.config
+        if cfg.dispatch_dtype is not None:
+            return self._dispatch_fp8(backend, x, topk_idx, topk_weights)
+        if isinstance(x, tuple):
+            raise InputError("x: a (x_fp8, x_scales) pair is dispatched only with the config's dispatch_dtype set "
+                             f"(float8_e4m3fn); this config dispatches {cfg.dtype} rows")
         _check_tensor("x", x, (None, cfg.hidden), (cfg.torch_dtype,), self.device, cfg.dtype)
-        num_tokens = x.shape[0]
-        if num_tokens > cfg.max_tokens_per_rank:
-            raise InputError(
-                f"x: expected at most max_tokens_per_rank={cfg.max_tokens_per_rank} rows, got {num_tokens}"
-            )
-        # [T, K]: T from x, K = topk from the config; a mismatch between the two names the one that is off.
-        _check_tensor("topk_idx", topk_idx, (num_tokens, cfg.topk), _INDEX_DTYPES, self.device, "int32 or int64")
-        _check_tensor("topk_weights", topk_weights, (num_tokens, cfg.topk), (torch.float32,), self.device, "float32")
+        self._check_routing(x.shape[0], topk_idx, topk_weights)
         if torch.compiler.is_compiling():
             result = ops.dispatch(self._id, x, topk_idx, topk_weights)
         elif torch.is_grad_enabled() and x.requires_grad:
@@ -202,6 +229,44 @@ class Dispatcher:
         if cfg.check_every_step:
             self.check()
         return DispatchOutput(result.x, result.expert_offsets, result.tokens_per_expert, handle)
+
+    def _check_routing(self, num_tokens: int, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> None:
+        cfg = self.config
+        if num_tokens > cfg.max_tokens_per_rank:
+            raise InputError(
+                f"x: expected at most max_tokens_per_rank={cfg.max_tokens_per_rank} rows, got {num_tokens}"
+            )
+        # [T, K]: T from x, K = topk from the config; a mismatch between the two names the one that is off.
+        _check_tensor("topk_idx", topk_idx, (num_tokens, cfg.topk), _INDEX_DTYPES, self.device, "int32 or int64")
+        _check_tensor("topk_weights", topk_weights, (num_tokens, cfg.topk), (torch.float32,), self.device, "float32")
+
+    def _dispatch_fp8(self, backend, x, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> DispatchOutput:
+        """FP8 dispatch: ``x`` quantized (or given as ``(x_fp8, x_scales)``), moved as packed rows, unpacked as views."""
+        cfg = self.config
+        if torch.compiler.is_compiling():
+            raise ConfigError("config key 'dispatch_dtype': FP8 dispatch cannot be compiled by torch.compile yet; "
+                              "compile with dispatch_dtype null, or keep the dispatch call out of the compiled region")
+        if isinstance(x, tuple):
+            if len(x) != 2:
+                raise InputError(f"x: expected a tensor or an (x_fp8, x_scales) pair, got a tuple of {len(x)}")
+            x_fp8, x_scales = x
+            _check_tensor("x_fp8", x_fp8, (None, cfg.hidden), (fp8.FP8_DTYPE,), self.device, "float8_e4m3fn")
+            _check_tensor("x_scales", x_scales, (x_fp8.shape[0], cfg.hidden // fp8.BLOCK), (torch.float32,),
+                          self.device, "float32")
+            num_tokens = x_fp8.shape[0]
+        else:
+            _check_tensor("x", x, (None, cfg.hidden), (cfg.torch_dtype,), self.device, cfg.dtype)
+            if torch.is_grad_enabled() and x.requires_grad:
+                raise InputError("x: requires grad, but FP8 dispatch (dispatch_dtype float8_e4m3fn) has no backward "
+                                 "yet; dispatch under torch.no_grad() (inference), or with dispatch_dtype null to train")
+            num_tokens = x.shape[0]
+        self._check_routing(num_tokens, topk_idx, topk_weights)
+        result = backend.dispatch(self._pack_fp8(x), topk_idx, topk_weights)
+        out_x, out_scales = fp8.unpack(result.x, cfg.hidden)
+        handle = DispatchHandle(self._id, result.routing, topk_weights)
+        if cfg.check_every_step:
+            self.check()
+        return DispatchOutput(out_x, result.expert_offsets, result.tokens_per_expert, handle, out_scales)
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Bring expert outputs back to their tokens and sum them with the router weights.

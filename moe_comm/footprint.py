@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import fp8
 from .config import Config
 from .protocol import SymmetricRegions
 
@@ -26,7 +27,8 @@ class Footprint:
     symmetric_bytes: the Dispatcher's symmetric allocation (0 on the collective backends).
     slab_bytes: one ``[W, M, hidden]`` slab of rows (the symmetric allocation holds two, three with
         NVSHMEM puts; the collective backends allocate two per exchange).
-    capacity_rows: rows of every dispatch output; out_x_bytes: its ``x`` in the config dtype.
+    capacity_rows: rows of every dispatch output; out_x_bytes: its ``x`` in the config dtype (with
+        FP8 dispatch: its packed e4m3 rows and scales).
     lossless: no ``expert_capacity`` bound (nothing is ever dropped).
     """
 
@@ -67,12 +69,13 @@ def footprint(config: Config, world_size: int, backend: str) -> Footprint:
     regions = SymmetricRegions.plan(world_size, config.max_tokens_per_rank, config.topk, row_bytes,
                                     put_transport=put)
     capacity_rows = config.capacity_rows(world_size)
+    out_row_bytes = row_bytes if config.dispatch_dtype is None else fp8.packed_row_bytes(config.hidden)
     return Footprint(
         world_size=world_size,
         backend=backend,
         symmetric_bytes=regions.nbytes if symmetric else 0,
         slab_bytes=world_size * config.max_tokens_per_rank * row_bytes,
         capacity_rows=capacity_rows,
-        out_x_bytes=capacity_rows * row_bytes,
+        out_x_bytes=capacity_rows * out_row_bytes,
         lossless=config.expert_capacity is None,
     )

@@ -13,6 +13,11 @@ float32 scales, one per block of 128 consecutive channels (DeepEP's ``(x_fp8 [T,
   the last-bit rounding of ``x / scale`` above 448 for the block's largest value).
   ``x / scale`` divides tensor by tensor, which rounds alike on the CPU and on CUDA GPUs.
 
+FP8 dispatch moves each row as one packed row of bytes (:func:`pack`): the ``H`` e4m3 bytes, the
+``H / 128`` float32 scales, zeros up to a multiple of 16 bytes; its output rows are unpacked as
+views (:func:`unpack`), so ``out.x`` and ``out.x_scales`` share one allocation (row stride
+:func:`packed_row_bytes`, not contiguous).
+
 Non-finite inputs are not hidden: a block holding a NaN or an inf gets a non-finite scale, and
 :func:`dequantize` gives NaN for the whole block. Nothing reads the device on the host, so both
 functions run in CUDA graphs and under torch.compile.
@@ -24,7 +29,8 @@ import torch
 
 from .errors import InputError
 
-__all__ = ["FP8_DTYPE", "FP8_MAX", "BLOCK", "MIN_AMAX", "quantize", "dequantize"]
+__all__ = ["FP8_DTYPE", "FP8_MAX", "BLOCK", "MIN_AMAX", "quantize", "dequantize", "packed_row_bytes", "pack",
+           "unpack"]
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -59,8 +65,9 @@ def quantize(x: torch.Tensor, round_scale: bool = False) -> tuple[torch.Tensor, 
     blocks = x.float().reshape(tokens, hidden // BLOCK, BLOCK)
     amax = blocks.abs().amax(dim=2).clamp_min(MIN_AMAX)  # amax and clamp_min keep a block's NaN
     # A multiply by the float32 reciprocal, not a division: CUDA divides a tensor by a scalar that
-    # way, and the CPU and GPU must give the same scales (and a kernel can do the same).
-    scales = amax * torch.tensor(1.0 / FP8_MAX, dtype=torch.float32, device=amax.device)
+    # way, and the CPU and GPU must give the same scales (and a kernel can do the same). The
+    # scalar is rounded to float32 on both (no tensor is made: the call stays graph-capturable).
+    scales = amax * (1.0 / FP8_MAX)
     if round_scale:
         scales = torch.exp2(torch.ceil(torch.log2(scales)))
     values = (blocks / scales[:, :, None]).clamp(-FP8_MAX, FP8_MAX)
@@ -82,3 +89,26 @@ def dequantize(x_fp8: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = t
                          f"channels of x_fp8 [{tokens}, {hidden}]), got {got}")
     blocks = x_fp8.float().reshape(tokens, hidden // BLOCK, BLOCK) * scales[:, :, None]
     return blocks.reshape(tokens, hidden).to(dtype)
+
+
+def packed_row_bytes(hidden: int) -> int:
+    """Bytes of one packed row: ``hidden`` e4m3 values, ``hidden / 128`` float32 scales, zeros to a multiple of 16."""
+    scale_bytes = 4 * (hidden // BLOCK)
+    return hidden + -(-scale_bytes // 16) * 16
+
+
+def pack(x_fp8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x_fp8 [T, H]`` e4m3 and ``scales [T, H/128]`` float32 -> ``[T, packed_row_bytes(H)]`` uint8 rows."""
+    tokens, hidden = x_fp8.shape
+    packed = torch.empty((tokens, packed_row_bytes(hidden)), dtype=torch.uint8, device=x_fp8.device)
+    scale_end = hidden + 4 * (hidden // BLOCK)
+    packed[:, :hidden] = x_fp8.view(torch.uint8)
+    packed[:, hidden:scale_end] = scales.contiguous().view(torch.uint8)
+    packed[:, scale_end:] = 0
+    return packed
+
+
+def unpack(packed: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of packed rows ``[N, packed_row_bytes(hidden)]`` uint8: ``(x_fp8 [N, H] e4m3, scales [N, H/128] f32)``."""
+    return (packed[:, :hidden].view(FP8_DTYPE),
+            packed[:, hidden:hidden + 4 * (hidden // BLOCK)].view(torch.float32))

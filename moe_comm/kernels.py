@@ -15,16 +15,20 @@ eagerly and under CUDA-graph capture alike.
 from __future__ import annotations
 
 import ctypes
+import struct
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import torch
 
-from . import driver, jit, nvshmem_build, protocol
+from . import driver, fp8, jit, nvshmem_build, protocol
 from .kernel_params import kernel_params
 from .errors import BackendError
 
 __all__ = [
+    "FP8_KERNELS_MIN_ARCH",
+    "Fp8PackKernels",
+    "fp8_defines",
     "CommArgs",
     "RoutingAddresses",
     "kernel_defines",
@@ -67,12 +71,67 @@ def compile_for_config(config, arch: str) -> list:
     """Compile (or find cached) both kernel files for ``arch`` as ``config`` runs them; returns the cubin paths.
 
     The defines are the config's dtype, hidden and topk; a config on the ``nvshmem`` backend with
-    ``transport: put`` gets the put-transport build (NVSHMEM's headers must be installed). No GPU needed.
+    ``transport: put`` gets the put-transport build (NVSHMEM's headers must be installed), one with
+    ``dispatch_dtype`` also the dispatch build for packed FP8 rows and the packing kernels. No GPU needed.
     """
     put = config.backend == "nvshmem" and config.nvshmem.transport == "put"
     defines = kernel_defines(config.torch_dtype, config.hidden, config.topk, put_transport=put)
     toolchain = nvshmem_build.toolchain() if put else jit.Toolchain()
-    return [jit.compile_source(name, arch=arch, defines=defines, toolchain=toolchain) for name in ("dispatch", "combine")]
+    builds = [("dispatch", defines), ("combine", defines)]
+    if config.dispatch_dtype is not None:  # FP8 dispatch's build for packed rows (see backends/device.py)
+        builds.append(("dispatch", kernel_defines(torch.bfloat16, fp8.packed_row_bytes(config.hidden) // 2,
+                                                  config.topk, put_transport=put)))
+        builds.append(("fp8", fp8_defines(config.torch_dtype, config.hidden)))
+    return [jit.compile_source(name, arch=arch, defines=row_defines, toolchain=toolchain) for name, row_defines in builds]
+
+
+FP8_KERNELS_MIN_ARCH = (8, 9)  # csrc/fp8.cu converts with cvt.rn.satfinite.e4m3x2.f32
+
+
+def fp8_defines(dtype: torch.dtype, hidden: int) -> dict:
+    """The compile-time defines of ``csrc/fp8.cu`` for rows of ``hidden`` ``dtype``."""
+    inv_max_bits = struct.unpack("<I", struct.pack("<f", 1.0 / fp8.FP8_MAX))[0]
+    return {**kernel_defines(dtype, hidden, 1), "FP8_INV_MAX_BITS": inv_max_bits}
+
+
+class Fp8PackKernels:
+    """Launchers of ``csrc/fp8.cu``: rows into packed FP8 rows (:func:`moe_comm.fp8.pack`) in one pass.
+
+    ``quantize_pack`` gives ``fp8.pack(*fp8.quantize(x))`` (scales not rounded) bit for bit,
+    ``pack_pairs`` gives ``fp8.pack(x_fp8, scales)``; on GPUs of compute capability 8.9 or newer
+    (``FP8_KERNELS_MIN_ARCH``). Loads both entry points now (compiling them if not cached).
+    """
+
+    _THREADS = 256
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, hidden: int) -> None:
+        defines = fp8_defines(dtype, hidden)
+        self._quantize_pack = driver.load_function(device, "fp8", "quantize_pack", defines)
+        self._pack_pairs = driver.load_function(device, "fp8", "pack_pairs", defines)
+        self._device = device
+        self._hidden = hidden
+        self._row_bytes = fp8.packed_row_bytes(hidden)
+        self._sms = torch.cuda.get_device_properties(device).multi_processor_count
+
+    def _grid(self, work_items: int, per_block: int) -> int:
+        return max(1, min(_cdiv(work_items, per_block), 8 * self._sms))
+
+    def quantize_pack(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, H]`` (the config dtype) -> packed rows ``[T, packed_row_bytes(H)]`` uint8."""
+        packed = torch.empty((x.shape[0], self._row_bytes), dtype=torch.uint8, device=self._device)
+        lanes = 128 // (16 // x.element_size())  # one group of lanes per 128-channel block
+        blocks = x.shape[0] * (self._hidden // 128)
+        grid = self._grid(blocks * lanes, self._THREADS)
+        self._quantize_pack.launch(grid, self._THREADS, ((x.data_ptr(), _P), (x.shape[0], _I), (packed.data_ptr(), _P)))
+        return packed
+
+    def pack_pairs(self, x_fp8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """``x_fp8 [T, H]`` e4m3 and ``scales [T, H/128]`` float32 -> packed rows ``[T, packed_row_bytes(H)]`` uint8."""
+        packed = torch.empty((x_fp8.shape[0], self._row_bytes), dtype=torch.uint8, device=self._device)
+        grid = self._grid(x_fp8.shape[0] * self._row_bytes // 4, self._THREADS)
+        self._pack_pairs.launch(grid, self._THREADS, ((x_fp8.data_ptr(), _P), (scales.data_ptr(), _P),
+                                                      (x_fp8.shape[0], _I), (packed.data_ptr(), _P)))
+        return packed
 
 
 class RoutingAddresses(NamedTuple):

@@ -122,13 +122,15 @@ def test_chunks_and_covered_rows():
 
 
 def test_bench_rows_and_files(tmp_path):
-    options = BenchOptions(tokens=(4,), routings=("uniform",), hidden=16, num_experts=4, topk=2,
-                           dtype="float32", backend="reference", repeats=2, warmup=1)
+    options = BenchOptions(tokens=(4,), routings=("uniform",), hidden=128, num_experts=4, topk=2,
+                           dtype="float32", backend="reference", repeats=2, warmup=1, fp8=True)
     rows = run_ranks(bench_rank, 2, options)[0]
     assert [(r["system"], r["mode"], r["tokens"]) for r in rows] == [
-        ("moe_comm", "eager", 4), (SymmMemAllToAll2d.name, "unavailable", 4)]
-    assert rows[1]["note"] == "needs CUDA GPUs (NVSHMEM)" and rows[1]["extra"]["combine_error"] is None
+        ("moe_comm", "eager", 4), ("moe_comm fp8 dispatch", "eager", 4), (SymmMemAllToAll2d.name, "unavailable", 4)]
+    assert rows[2]["note"] == "needs CUDA GPUs (NVSHMEM)" and rows[2]["extra"]["combine_error"] is None
     assert rows[0]["extra"]["combine_error"] < 1e-5
+    # e4m3 rows: within their rounding (2^-4 of a block's largest value) of the exact result.
+    assert 0 < rows[1]["extra"]["combine_error"] < 0.07
     assert all(rows[0][key] > 0 for key in ("dispatch_us", "combine_us", "total_us"))
     written = write_results(rows, {"world_size": 2, "device": "CPU"}, tmp_path, "smoke")
     assert json.loads((tmp_path / "smoke.json").read_text())["rows"] == rows
@@ -149,6 +151,7 @@ def test_cpu_defaults_are_a_smoke_run_and_flags_win():
     # --overlap alone takes the standard budgets; with values, those.
     assert bench._options(bench._parser().parse_args(["--overlap"]), gpus=1).overlap_budgets == (132, 64, 24, 16, 8, 4)
     assert bench._options(bench._parser().parse_args(["--overlap", "24"]), gpus=1).overlap_budgets == (24,)
+    assert bench._options(bench._parser().parse_args(["--fp8"]), gpus=1).fp8 and not given.fp8
     assert bench._options(bench._parser().parse_args([]), gpus=1).overlap_budgets == ()
 
 

@@ -1,5 +1,8 @@
-"""The FP8 reference quantizer on a GPU gives the CPU's bytes (contract: FP8 format): the CUDA
-cast to e4m3 rounds as the CPU's does, so either device can be the yardstick."""
+"""FP8 on the GPU (contract: FP8 format). The reference quantizer gives the CPU's bytes (the CUDA
+cast to e4m3 rounds as the CPU's does, so either device can be the yardstick), and FP8 dispatch on
+every device backend gives the reference backend's rows, scales and layout bit for bit: a
+pre-quantized pair eagerly, and bf16 rows quantized inside the call, captured in a CUDA graph and
+replayed with new rows and routing."""
 
 from __future__ import annotations
 
@@ -27,3 +30,98 @@ def test_quantize_on_gpu_equals_cpu_bitwise(round_scale, requires_gpus):
     assert torch.allclose(got[1].cpu(), want[1], rtol=0, atol=0, equal_nan=True)  # NaN scales of the bad blocks
     back = moe_comm.dequantize(*got)
     assert torch.equal(back.cpu().isnan(), moe_comm.dequantize(*want).isnan())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_packing_kernels_give_the_reference_bytes(dtype, requires_gpus):
+    requires_gpus(1)
+    from moe_comm import fp8
+    from moe_comm.kernels import FP8_KERNELS_MIN_ARCH, Fp8PackKernels
+
+    if torch.cuda.get_device_capability() < FP8_KERNELS_MIN_ARCH:
+        pytest.skip("the packing kernels need compute capability 8.9 (FP8 dispatch packs with torch here)")
+    gen = torch.Generator().manual_seed(4)
+    tokens, hidden = 37, 1152  # an odd number of 128-channel blocks in all: the last warp is half idle
+    x = (torch.randn(tokens, hidden, generator=gen) * torch.logspace(-8, 8, hidden)).to(dtype)
+    x[3, 5], x[4, 700], x[5, 300] = float("nan"), float("inf"), -float("inf")
+    x[6, 128:256] = 0
+    x[7, :128] = 1e-30
+    want = fp8.pack(*fp8.quantize(x))
+    kernels = Fp8PackKernels(torch.device("cuda", 0), dtype, hidden)
+    got = kernels.quantize_pack(x.cuda()).cpu()
+    x_fp8, scales = fp8.unpack(want, hidden)
+    nan_values, nan_scales = x_fp8.float().isnan(), scales.isnan()
+    got_fp8, got_scales = fp8.unpack(got, hidden)
+    assert torch.equal(got_fp8.float().isnan(), nan_values) and torch.equal(got_scales.isnan(), nan_scales)
+    # Every byte but the NaNs' (a NaN's sign and payload may differ) is the reference's.
+    finite_bytes = torch.cat([~nan_values, ~nan_scales.repeat_interleave(4, dim=1),
+                              torch.ones(tokens, want.shape[1] - hidden - 4 * (hidden // 128), dtype=torch.bool)], 1)
+    assert torch.equal(got[finite_bytes], want[finite_bytes])
+    pairs = kernels.pack_pairs(*(t.cuda() for t in fp8.quantize(x.float().nan_to_num())))
+    assert torch.equal(pairs.cpu(), fp8.pack(*fp8.quantize(x.float().nan_to_num())))
+
+
+TOKENS, HIDDEN, EXPERTS, TOPK = 64, 512, 8, 2
+FP8_CONFIG = dict(num_experts=EXPERTS, topk=TOPK, hidden=HIDDEN, max_tokens_per_rank=TOKENS, expert_alignment=16,
+                  dtype="bfloat16", dispatch_dtype="float8_e4m3fn")
+
+
+def _fp8_inputs(gen: torch.Generator):
+    x = (torch.randn(TOKENS, HIDDEN, generator=gen) * torch.logspace(-3, 3, HIDDEN)).to(torch.bfloat16)
+    idx = torch.randint(0, EXPERTS, (TOKENS, TOPK), generator=gen)
+    idx[torch.rand(TOKENS, TOPK, generator=gen) < 0.2] = -1
+    return x, idx, torch.rand(TOKENS, TOPK, generator=gen)
+
+
+def _same_output(out, ref) -> bool:
+    end = int(ref.expert_offsets[-1])
+    return (torch.equal(out.expert_offsets.cpu(), ref.expert_offsets)
+            and torch.equal(out.x[:end].cpu().view(torch.uint8), ref.x[:end].view(torch.uint8))
+            and torch.equal(out.x_scales[:end].cpu(), ref.x_scales[:end]))
+
+
+def _rank_fp8_dispatch(rank: int, world: int, backend_id: str) -> list:
+    import torch.distributed as dist
+
+    from gpu_backends import GPU_BACKENDS
+
+    backend, section = GPU_BACKENDS[backend_id]
+    gloo = dist.new_group(backend="gloo")
+    gen = torch.Generator().manual_seed(rank)
+    results = []
+    with moe_comm.Dispatcher(moe_comm.load_config(None, backend=backend, **section, **FP8_CONFIG)) as dev, \
+            moe_comm.Dispatcher(moe_comm.load_config(None, backend="reference", **FP8_CONFIG), group=gloo) as ref:
+        device = dev.device
+        x, idx, weights = _fp8_inputs(gen)
+        # A pre-quantized pair, eagerly.
+        pair = tuple(t.to(device) for t in moe_comm.quantize(x))
+        results.append(_same_output(dev.dispatch(pair, idx.to(device), weights.to(device)),
+                                    ref.dispatch(x, idx, weights)))
+        # bf16 rows, quantized inside the call: captured once, replayed with new rows and routing.
+        static = [t.to(device) for t in (x, idx, weights)]
+        out = dev.dispatch(*static)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = dev.dispatch(*static)
+        for _ in range(3):
+            x, idx, weights = _fp8_inputs(gen)
+            for target, value in zip(static, (x, idx, weights)):
+                target.copy_(value)
+            graph.replay()
+            torch.cuda.synchronize(device)
+            results.append(_same_output(out, ref.dispatch(x, idx, weights)))
+        dev.check()
+    return results
+
+
+@pytest.mark.parametrize("backend_id, world", [("vmm", 1), ("vmm", 2), ("nvshmem-p2p", 1), ("nccl-symmetric", 1),
+                                               ("nccl-collective", 1)])
+def test_fp8_dispatch_equals_reference_bitwise(backend_id, world, requires_gpus):
+    from gpu_backends import dist_backend_for, gpus_needed
+    from multirank import run_ranks
+
+    gpus = requires_gpus(gpus_needed(backend_id, world))
+    per_rank = run_ranks(_rank_fp8_dispatch, world, backend_id, dist_backend=dist_backend_for(world, gpus), gpu=True,
+                         timeout_s=300)
+    for rank, same in enumerate(per_rank):
+        assert same == [True] * 4, f"rank {rank}: eager, then 3 replays: {same}"

@@ -62,6 +62,10 @@ class Backend(abc.ABC):
     ) -> DispatchResult:
         """Send ``x [T, H]`` to the ranks of its experts and lay it out expert-major there.
 
+        ``x`` is in the config dtype, or, with the config's ``dispatch_dtype`` set, packed FP8 rows
+        ``[T, moe_comm.fp8.packed_row_bytes(H)]`` uint8, moved as bytes (the result's ``x`` is then
+        packed rows too).
+
         ``separate_outputs``: every returned tensor has its own storage (torch custom ops may not
         return aliasing tensors); otherwise a backend may pack small outputs into one allocation.
         """

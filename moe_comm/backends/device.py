@@ -22,13 +22,14 @@ Autograd (the only user) reads only mapped rows.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from typing import Any, Callable
 
 import torch
 
-from .. import jit, kernels, nvshmem_build, protocol
+from .. import fp8, jit, kernels, nvshmem_build, protocol
 from ..agreement import agree
 from ..routing import Routing
 from ..config import Config
@@ -215,20 +216,25 @@ class DeviceBackend(Backend):
         )
         device_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         grid_sms = device_sms if cfg.sm_budget is None else min(cfg.sm_budget, device_sms)
-        self._dispatch_kernels = kernels.DispatchKernels(
-            self.device,
-            defines,
-            args,
-            self.regions,
-            num_experts=cfg.num_experts,
-            num_local_experts=self.num_local_experts,
-            expert_alignment=cfg.expert_alignment,
-            expert_capacity=cfg.expert_capacity,
-            capacity_rows=self.capacity_rows,
-            num_sms=cfg.num_sms,
-            grid_sms=grid_sms,
-            toolchain=toolchain,
-        )
+
+        def dispatch_kernels(row_defines: dict, regions: protocol.SymmetricRegions) -> kernels.DispatchKernels:
+            return kernels.DispatchKernels(
+                self.device, row_defines, args, regions, num_experts=cfg.num_experts,
+                num_local_experts=self.num_local_experts, expert_alignment=cfg.expert_alignment,
+                expert_capacity=cfg.expert_capacity, capacity_rows=self.capacity_rows, num_sms=cfg.num_sms,
+                grid_sms=grid_sms, toolchain=toolchain,
+            )
+
+        self._dispatch_kernels = dispatch_kernels(defines, self.regions)
+        # FP8 dispatch moves packed rows (moe_comm.fp8.pack) as opaque bytes: a build of the same
+        # kernels for rows of that many bytes, in the same (larger) slabs, with the same epochs.
+        self._packed_dispatch_kernels = None
+        if cfg.dispatch_dtype is not None:
+            packed_bytes = fp8.packed_row_bytes(cfg.hidden)
+            packed_defines = kernels.kernel_defines(torch.bfloat16, packed_bytes // 2, cfg.topk,
+                                                    put_transport=self._put_transport)
+            self._packed_dispatch_kernels = dispatch_kernels(
+                packed_defines, dataclasses.replace(self.regions, row_bytes=packed_bytes))
         self._combine_kernels = kernels.CombineKernels(
             self.device, defines, args, self.regions, capacity_rows=self.capacity_rows, num_sms=cfg.num_sms,
             grid_sms=grid_sms, toolchain=toolchain,
@@ -277,9 +283,10 @@ class DeviceBackend(Backend):
         expert_offsets, tokens_per_expert, routing = outputs(
             num_tokens, self.world_size, cfg.max_tokens_per_rank, cfg.topk, self.num_local_experts, device
         )
-        out_x = torch.empty((self.capacity_rows, cfg.hidden), dtype=self.dtype, device=device)
-        self._dispatch_kernels.dispatch(x, topk_idx, topk_weights, _addresses(routing), expert_offsets,
-                                        tokens_per_expert, out_x)
+        # Packed FP8 rows (uint8, moe_comm.fp8.pack) go through their own build; out.x has x's width and dtype.
+        launcher = self._packed_dispatch_kernels if x.dtype == torch.uint8 else self._dispatch_kernels
+        out_x = torch.empty((self.capacity_rows, x.shape[1]), dtype=x.dtype, device=device)
+        launcher.dispatch(x, topk_idx, topk_weights, _addresses(routing), expert_offsets, tokens_per_expert, out_x)
         return DispatchResult(out_x, expert_offsets, tokens_per_expert, routing)
 
     def redispatch(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:

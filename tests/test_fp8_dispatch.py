@@ -1,0 +1,135 @@
+"""FP8 dispatch on 2 gloo ranks of the reference backend (contract: FP8 format, dispatch).
+
+With ``dispatch_dtype: float8_e4m3fn`` every row arrives as the reference quantizer's bytes and
+scales (``moe_comm.quantize``), laid out as the config-dtype dispatch lays out the same rows; a
+pre-quantized ``(x_fp8, x_scales)`` pair gives the same output as the tensor it came from; the
+padding rows are zero; combine and MoELayer (inference) work on it; what FP8 dispatch does not do
+yet is refused by name.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moe_comm
+from moe_comm import fp8
+from multirank import run_ranks
+
+WORLD = 2
+BASE = dict(backend="reference", num_experts=8, topk=2, hidden=256, max_tokens_per_rank=12, expert_alignment=4)
+
+
+def _inputs(rank: int, tokens: int = 12):
+    gen = torch.Generator().manual_seed(10 + rank)
+    x = (torch.randn(tokens, BASE["hidden"], generator=gen) * 3).to(torch.bfloat16)
+    idx = torch.randint(0, BASE["num_experts"], (tokens, BASE["topk"]), generator=gen)
+    idx[0, 1] = -1
+    return x, idx, torch.rand(tokens, BASE["topk"], generator=gen)
+
+
+def _rank_fp8(rank: int, world: int) -> dict:
+    x, idx, weights = _inputs(rank)
+    results = {}
+    for round_scale in (False, True):
+        cfg = moe_comm.load_config(None, **BASE, dispatch_dtype="float8_e4m3fn", dispatch_round_scale=round_scale)
+        plain = moe_comm.load_config(None, **BASE)
+        x_fp8, x_scales = moe_comm.quantize(x, round_scale=round_scale)
+        with moe_comm.Dispatcher(cfg) as disp, moe_comm.Dispatcher(plain) as reference:
+            out = disp.dispatch(x, idx, weights)
+            pair = disp.dispatch((x_fp8, x_scales), idx, weights)
+            # The same rows in the config dtype: their placement is the FP8 output's.
+            want = reference.dispatch(x, idx, weights)
+            recv_pos = want.handle.routing.recv_pos
+            y = want.x * 2
+            z_fp8, z_plain = disp.combine(y, out.handle), reference.combine(y, want.handle)
+        rows = torch.full((want.x.shape[0],), -1, dtype=torch.int64)
+        # Which source row each output row holds (slab row s * M + t: every rank sends M tokens here),
+        # and every rank's quantized rows to compare with.
+        all_fp8 = [torch.empty_like(x_fp8.view(torch.uint8)) for _ in range(world)]
+        all_scales = [torch.empty_like(x_scales) for _ in range(world)]
+        torch.distributed.all_gather(all_fp8, x_fp8.view(torch.uint8).contiguous())
+        torch.distributed.all_gather(all_scales, x_scales)
+        source_rows = torch.cat(all_fp8)
+        source_scales = torch.cat(all_scales)
+        kept = recv_pos >= 0
+        slab_row = torch.arange(world * BASE["max_tokens_per_rank"])[:, None].expand(-1, BASE["topk"])
+        slab_row = slab_row.reshape(world, BASE["max_tokens_per_rank"], BASE["topk"])
+        rows[recv_pos[kept].long()] = slab_row[kept]
+        placed = rows >= 0
+        got_bytes, got_scales = out.x.view(torch.uint8), out.x_scales
+        end = int(want.expert_offsets[-1])
+        padding = ~placed[:end]
+        results[round_scale] = {
+            "dtypes": (out.x.dtype, out.x_scales.dtype, tuple(out.x.shape), tuple(out.x_scales.shape)),
+            "layout": torch.equal(out.expert_offsets, want.expert_offsets)
+            and torch.equal(out.tokens_per_expert, want.tokens_per_expert),
+            "rows": torch.equal(got_bytes[placed], source_rows[rows[placed]]),
+            "scales": torch.equal(got_scales[placed], source_scales[rows[placed]]),
+            "padding_zero": bool((got_bytes[:end][padding] == 0).all() and (got_scales[:end][padding] == 0).all()),
+            "pair": torch.equal(pair.x.view(torch.uint8)[:end], got_bytes[:end])
+            and torch.equal(pair.x_scales[:end], got_scales[:end]),
+            "combine": torch.equal(z_fp8, z_plain),
+            "plain_x_scales": want.x_scales is None,
+        }
+    return results
+
+
+def test_fp8_dispatch_moves_the_quantizer_bytes_in_the_config_layout():
+    for rank, per_scale in enumerate(run_ranks(_rank_fp8, WORLD, timeout_s=120)):
+        for round_scale, result in per_scale.items():
+            tag = f"rank {rank}, round_scale {round_scale}: {result}"
+            assert result["dtypes"][:2] == (torch.float8_e4m3fn, torch.float32), tag
+            assert result["dtypes"][2][1] == BASE["hidden"] and result["dtypes"][3][1] == BASE["hidden"] // 128, tag
+            assert all(result[key] for key in ("layout", "rows", "scales", "padding_zero", "pair", "combine",
+                                               "plain_x_scales")), tag
+
+
+def _rank_layer_and_refusals(rank: int, world: int) -> dict:
+    x, idx, weights = _inputs(rank)
+    cfg = moe_comm.load_config(None, **BASE, dispatch_dtype="float8_e4m3fn")
+    results = {}
+    with moe_comm.Dispatcher(cfg) as disp:
+        layer = moe_comm.MoELayer(cfg, 64, dispatcher=disp, seed=3)
+        bf16 = moe_comm.MoELayer(moe_comm.load_config(None, **BASE), 64, seed=3)
+        with torch.no_grad():
+            got, want = layer(x), bf16(x)
+        results["layer_rel_err"] = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+        bf16.close()
+        for name, call in (
+            ("grad", lambda: disp.dispatch(x.clone().requires_grad_(), idx, weights)),
+            ("pair_shape", lambda: disp.dispatch((moe_comm.quantize(x)[0], torch.ones(12, 3)), idx, weights)),
+            ("pair_dtype", lambda: disp.dispatch((x, torch.ones(12, 2)), idx, weights)),
+            ("triple", lambda: disp.dispatch((x, x, x), idx, weights)),
+        ):
+            try:
+                call()
+                results[name] = "no error"
+            except moe_comm.InputError as exc:
+                results[name] = str(exc)
+    with moe_comm.Dispatcher(moe_comm.load_config(None, **BASE)) as plain:
+        try:
+            plain.dispatch(moe_comm.quantize(x), idx, weights)
+            results["pair_without_fp8"] = "no error"
+        except moe_comm.InputError as exc:
+            results["pair_without_fp8"] = str(exc)
+    return results
+
+
+def test_fp8_layer_inference_and_what_is_refused():
+    for rank, result in enumerate(run_ranks(_rank_layer_and_refusals, WORLD, timeout_s=120)):
+        # e4m3 keeps 3 mantissa bits: the layer's output moves by a few percent of its scale.
+        assert result["layer_rel_err"] < 0.1, result
+        assert "requires grad" in result["grad"] and "no backward" in result["grad"], result
+        assert "x_scales" in result["pair_shape"] and "(12, 3)" in result["pair_shape"], result
+        assert "x_fp8" in result["pair_dtype"] and "float8_e4m3fn" in result["pair_dtype"], result
+        assert "tuple of 3" in result["triple"], result
+        assert "dispatch_dtype" in result["pair_without_fp8"], result
+
+
+def test_fp8_config_needs_hidden_in_blocks_of_128():
+    with pytest.raises(moe_comm.ConfigError, match="'hidden': got 192, expected a multiple of 128"):
+        moe_comm.load_config(None, **{**BASE, "hidden": 192}, dispatch_dtype="float8_e4m3fn")
+    with pytest.raises(moe_comm.ConfigError, match="'dispatch_dtype'"):
+        moe_comm.load_config(None, dispatch_dtype="float8_e5m2")
+    assert fp8.packed_row_bytes(7168) == 7168 + 224 and fp8.packed_row_bytes(128) == 144
