@@ -1,4 +1,4 @@
-// common.cuh: device helpers shared by moe_comm's kernels (dispatch.cu, combine.cu).
+// common.cuh: device helpers shared by moe_comm's kernels (dispatch.cu, combine.cu, fp8.cu).
 //
 // NVRTC has no standard headers: this file includes only protocol.cuh and transport.cuh (which
 // includes NVSHMEM's device headers for the put transport) and defines its own fixed-width types, 16-byte row
