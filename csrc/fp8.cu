@@ -11,7 +11,11 @@
 // pack_pairs: x_fp8 [T, HIDDEN] e4m3 and scales [T, HIDDEN/128] float32 -> packed [T, PACKED_BYTES]
 // (moe_comm.fp8.pack), one thread per 4-byte word of the packed rows.
 //
-// The e4m3 conversion instruction needs sm_89 or newer; the Dispatcher packs with torch elsewhere.
+// dequantize_rows: packed rows [N, PACKED_BYTES] -> out [N, HIDDEN] DTYPE, bit for bit what
+// moe_comm.fp8.dequantize(*moe_comm.fp8.unpack(packed, HIDDEN), DTYPE) gives: float(e4m3) * scale
+// in float32, rounded to DTYPE; one thread per 16-byte vector of the output.
+//
+// The e4m3 conversion instructions need sm_89 or newer; the Dispatcher uses torch elsewhere.
 //
 // TOPK is 1 in every build (common.cuh asks for it; these kernels do not use it).
 //
@@ -95,6 +99,44 @@ extern "C" __global__ void quantize_pack(const void* __restrict__ x, int num_tok
                 for (int p = HIDDEN + SCALE_BYTES; p < PACKED_BYTES; p += 4) *reinterpret_cast<u32*>(row + p) = 0u;
             }
         }
+    }
+}
+
+// Two e4m3 bytes (lo in the low byte) as float32, exactly (through f16, which holds every e4m3 value).
+__device__ __forceinline__ void e4m3x2_to_f32(u32 two, float& lo, float& hi) {
+    u32 halves = 0;
+#if __CUDA_ARCH__ >= 890
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(halves) : "h"(static_cast<u16>(two)));
+#else
+    __trap();  // as e4m3x2 above
+#endif
+    lo = f16_to_f32(halves & 0xffffu);
+    hi = f16_to_f32(halves >> 16);
+}
+
+extern "C" __global__ void dequantize_rows(const u8* __restrict__ packed, int num_rows, void* __restrict__ out) {
+    constexpr int kRowVecs = HIDDEN / ELEMS_PER_VEC;
+    const i64 vectors = static_cast<i64>(num_rows) * kRowVecs;
+    for (i64 i = static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x; i < vectors;
+         i += static_cast<i64>(gridDim.x) * blockDim.x) {
+        const i64 r = i / kRowVecs;
+        const int c0 = static_cast<int>(i - r * kRowVecs) * ELEMS_PER_VEC;
+        const u8* row = packed + r * PACKED_BYTES;
+        const float scale = *reinterpret_cast<const float*>(row + HIDDEN + 4 * (c0 / FP8_BLOCK));
+        float f[ELEMS_PER_VEC];
+#if ELEMS_PER_VEC == 8
+        const u64 bytes = *reinterpret_cast<const u64*>(row + c0);
+#else
+        const u64 bytes = *reinterpret_cast<const u32*>(row + c0);
+#endif
+#pragma unroll
+        for (int e = 0; e < ELEMS_PER_VEC; e += 2) {
+            float lo, hi;
+            e4m3x2_to_f32(static_cast<u32>(bytes >> (8 * e)) & 0xffffu, lo, hi);
+            f[e] = __fmul_rn(lo, scale);
+            f[e + 1] = __fmul_rn(hi, scale);
+        }
+        st16(static_cast<u8*>(out) + (r * HIDDEN + c0) * ELEM_BYTES, pack16(f));
     }
 }
 

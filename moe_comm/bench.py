@@ -46,7 +46,7 @@ from .errors import ConfigError
 from .dispatcher import Dispatcher
 from .errors import BackendError
 from .overlap import gemm_sm_carveout
-from .fp8 import dequantize, packed_row_bytes
+from .fp8 import packed_row_bytes
 
 __all__ = ["BenchOptions", "bench_rank", "write_results", "main"]
 
@@ -236,7 +236,7 @@ def _no_prepare(i: int) -> None:
 
 def _expert_rows(disp: Dispatcher, out) -> torch.Tensor:
     """Identity experts: the dispatched rows in the config dtype (FP8 rows dequantized)."""
-    return out.x if out.x_scales is None else dequantize(out.x, out.x_scales, disp.config.torch_dtype)
+    return disp.dequantize(out)
 
 
 def _moe_comm_step(disp: Dispatcher, inputs: tuple) -> torch.Tensor:

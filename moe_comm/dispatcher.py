@@ -268,6 +268,19 @@ class Dispatcher:
             self.check()
         return DispatchOutput(out_x, result.expert_offsets, result.tokens_per_expert, handle, out_scales)
 
+    def dequantize(self, out: DispatchOutput) -> torch.Tensor:
+        """The rows of a dispatch output in the config dtype: ``[capacity_rows, H]``.
+
+        For FP8 dispatch ``float(out.x) * out.x_scales`` per 128 channels, rounded to the config
+        dtype (:func:`moe_comm.dequantize`, in one pass on GPUs of compute capability 8.9 or newer;
+        padding rows give zeros); otherwise ``out.x`` itself. For experts that do not take FP8.
+        """
+        if out.x_scales is None:
+            return out.x
+        if self._fp8_kernels is not None:
+            return self._fp8_kernels.dequantize_rows(out.x)
+        return fp8.dequantize(out.x, out.x_scales, self.config.torch_dtype)
+
     def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Bring expert outputs back to their tokens and sum them with the router weights.
 

@@ -95,10 +95,11 @@ def fp8_defines(dtype: torch.dtype, hidden: int) -> dict:
 
 
 class Fp8PackKernels:
-    """Launchers of ``csrc/fp8.cu``: rows into packed FP8 rows (:func:`moe_comm.fp8.pack`) in one pass.
+    """Launchers of ``csrc/fp8.cu``: rows to and from packed FP8 rows (:func:`moe_comm.fp8.pack`), one pass each.
 
     ``quantize_pack`` gives ``fp8.pack(*fp8.quantize(x))`` (scales not rounded) bit for bit,
-    ``pack_pairs`` gives ``fp8.pack(x_fp8, scales)``; on GPUs of compute capability 8.9 or newer
+    ``pack_pairs`` gives ``fp8.pack(x_fp8, scales)``, ``dequantize_rows`` gives
+    ``fp8.dequantize(*fp8.unpack(packed, H))``; on GPUs of compute capability 8.9 or newer
     (``FP8_KERNELS_MIN_ARCH``). Loads both entry points now (compiling them if not cached).
     """
 
@@ -108,6 +109,8 @@ class Fp8PackKernels:
         defines = fp8_defines(dtype, hidden)
         self._quantize_pack = driver.load_function(device, "fp8", "quantize_pack", defines)
         self._pack_pairs = driver.load_function(device, "fp8", "pack_pairs", defines)
+        self._dequantize_rows = driver.load_function(device, "fp8", "dequantize_rows", defines)
+        self._dtype = dtype
         self._device = device
         self._hidden = hidden
         self._row_bytes = fp8.packed_row_bytes(hidden)
@@ -124,6 +127,15 @@ class Fp8PackKernels:
         grid = self._grid(blocks * lanes, self._THREADS)
         self._quantize_pack.launch(grid, self._THREADS, ((x.data_ptr(), _P), (x.shape[0], _I), (packed.data_ptr(), _P)))
         return packed
+
+    def dequantize_rows(self, x_fp8: torch.Tensor) -> torch.Tensor:
+        """``x_fp8``: the e4m3 view of packed rows (``moe_comm.fp8.unpack``'s first view, row stride
+        ``packed_row_bytes(H)``) -> ``[N, H]`` in the rows' dtype, ``float(x) * scale`` rounded."""
+        rows = x_fp8.shape[0]
+        out = torch.empty((rows, self._hidden), dtype=self._dtype, device=self._device)
+        grid = self._grid(rows * self._hidden * out.element_size() // 16, self._THREADS)
+        self._dequantize_rows.launch(grid, self._THREADS, ((x_fp8.data_ptr(), _P), (rows, _I), (out.data_ptr(), _P)))
+        return out
 
     def pack_pairs(self, x_fp8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         """``x_fp8 [T, H]`` e4m3 and ``scales [T, H/128]`` float32 -> packed rows ``[T, packed_row_bytes(H)]`` uint8."""

@@ -36,7 +36,6 @@ from .balancing import balancing_losses, bias_step, expert_counts
 from .config import Config
 from .dispatcher import Dispatcher
 from .errors import ConfigError, InputError
-from .fp8 import dequantize
 from .experts import grouped_experts, masked_experts, resolve_expert_impl, shared_expert, sliced_experts
 from .router import RouterOutput, route, select_experts
 
@@ -418,8 +417,7 @@ class MoELayer(nn.Module):
         with self._phase("dispatch"):
             out = self.dispatcher.dispatch(tokens, topk_idx, topk_weights)
         # FP8 dispatch (inference only, see Dispatcher.dispatch): the experts run on the dequantized rows.
-        rows = out.x if out.x_scales is None else dequantize(out.x, out.x_scales, self.config.torch_dtype)
-        y = self.experts(rows, out.expert_offsets)
+        y = self.experts(self.dispatcher.dequantize(out), out.expert_offsets)
         with self._phase("combine"):
             z = self.dispatcher.combine(y.contiguous(), out.handle)
         return z, out.tokens_per_expert

@@ -43,6 +43,7 @@ def _rank_fp8(rank: int, world: int) -> dict:
             recv_pos = want.handle.routing.recv_pos
             y = want.x * 2
             z_fp8, z_plain = disp.combine(y, out.handle), reference.combine(y, want.handle)
+            disp_rows, plain_rows = disp.dequantize(out), reference.dequantize(want)
         rows = torch.full((want.x.shape[0],), -1, dtype=torch.int64)
         # Which source row each output row holds (slab row s * M + t: every rank sends M tokens here),
         # and every rank's quantized rows to compare with.
@@ -71,6 +72,8 @@ def _rank_fp8(rank: int, world: int) -> dict:
             and torch.equal(pair.x_scales[:end], got_scales[:end]),
             "combine": torch.equal(z_fp8, z_plain),
             "plain_x_scales": want.x_scales is None,
+            "dequantize": torch.equal(disp_rows, fp8.dequantize(out.x, out.x_scales, torch.bfloat16))
+            and plain_rows is want.x,
         }
     return results
 
@@ -82,7 +85,7 @@ def test_fp8_dispatch_moves_the_quantizer_bytes_in_the_config_layout():
             assert result["dtypes"][:2] == (torch.float8_e4m3fn, torch.float32), tag
             assert result["dtypes"][2][1] == BASE["hidden"] and result["dtypes"][3][1] == BASE["hidden"] // 128, tag
             assert all(result[key] for key in ("layout", "rows", "scales", "padding_zero", "pair", "combine",
-                                               "plain_x_scales")), tag
+                                               "plain_x_scales", "dequantize")), tag
 
 
 def _rank_layer_and_refusals(rank: int, world: int) -> dict:

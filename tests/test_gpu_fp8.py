@@ -33,7 +33,7 @@ def test_quantize_on_gpu_equals_cpu_bitwise(round_scale, requires_gpus):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_packing_kernels_give_the_reference_bytes(dtype, requires_gpus):
+def test_packing_kernels_give_the_reference_bytes_and_rows(dtype, requires_gpus):
     requires_gpus(1)
     from moe_comm import fp8
     from moe_comm.kernels import FP8_KERNELS_MIN_ARCH, Fp8PackKernels
@@ -57,6 +57,11 @@ def test_packing_kernels_give_the_reference_bytes(dtype, requires_gpus):
     finite_bytes = torch.cat([~nan_values, ~nan_scales.repeat_interleave(4, dim=1),
                               torch.ones(tokens, want.shape[1] - hidden - 4 * (hidden // 128), dtype=torch.bool)], 1)
     assert torch.equal(got[finite_bytes], want[finite_bytes])
+    # Back to rows: float(e4m3) * scale rounded to the dtype, as the torch reference (NaN blocks aside).
+    rows = kernels.dequantize_rows(fp8.unpack(want.cuda(), hidden)[0]).cpu()
+    want_rows = fp8.dequantize(*fp8.unpack(want, hidden), dtype=dtype)
+    assert torch.equal(rows.isnan(), want_rows.isnan())
+    assert torch.equal(rows[~want_rows.isnan()], want_rows[~want_rows.isnan()])
     pairs = kernels.pack_pairs(*(t.cuda() for t in fp8.quantize(x.float().nan_to_num())))
     assert torch.equal(pairs.cpu(), fp8.pack(*fp8.quantize(x.float().nan_to_num())))
 

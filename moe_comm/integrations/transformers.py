@@ -34,7 +34,6 @@ from ..config import DTYPES, Config, load_config
 from ..dispatcher import Dispatcher
 from ..errors import ConfigError, InputError
 from ..experts import expert_of_rows, resolve_expert_impl
-from ..fp8 import dequantize
 
 __all__ = ["IMPLEMENTATION", "expert_parallel"]
 
@@ -174,8 +173,7 @@ def _moe_comm_experts_forward(
                                               top_k_weights.split(size)):
         out = dispatcher.dispatch(tokens.contiguous(), topk_idx.contiguous(), topk_weights.float().contiguous())
         # FP8 dispatch (dispatch_dtype; inference only): the experts run on the dequantized rows.
-        rows = out.x if out.x_scales is None else dequantize(out.x, out.x_scales, hidden_states.dtype)
-        rows = _local_experts(self, rows, out.expert_offsets, grouped)
+        rows = _local_experts(self, dispatcher.dequantize(out), out.expert_offsets, grouped)
         pieces.append(dispatcher.combine(rows.contiguous(), out.handle))
     combined = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
     return combined.to(hidden_states.dtype)
