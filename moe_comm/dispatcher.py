@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -194,7 +194,8 @@ class Dispatcher:
     def _capturing(self) -> bool:
         return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
-    def dispatch(self, x, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> DispatchOutput:
+    def dispatch(self, x: Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]], topk_idx: torch.Tensor,
+                 topk_weights: torch.Tensor) -> DispatchOutput:
         """Send every token to the ranks holding its experts and lay the rows out expert-major.
 
         Args:
