@@ -19,11 +19,13 @@ a module-level function and its arguments and return value must be picklable.
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import multiprocessing
 import os
 import pickle
 import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -61,6 +63,13 @@ def _child(
 ) -> None:
     """Body of one rank process: join the group, run ``fn``, send ``("ok", bytes)`` or ``("error", text)``."""
     os.environ.update(options["env"])
+    # Registered first, so it runs last of the exit handlers: after the interpreter has joined the
+    # non-daemon threads (a leaked one still hangs the exit, which is reported) and run the other
+    # handlers, the rank leaves before C++'s static destructors. There, a thread torch leaves
+    # running (seen after torch.compile and gloo runs on the 2-core CI machine, intermittently) can
+    # abort with "terminate called without an active exception" (exit -6), which would turn a rank
+    # that finished and reported into a failed one.
+    atexit.register(_exit_now)
     stack_file = open(Path(options["stack_dir"]) / f"rank{rank}.txt", "w")
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     dist = None
@@ -101,6 +110,13 @@ def _child(
         dist.destroy_process_group()
     # The stack dump stays registered until exit: a rank that hangs on its way out (a leaked
     # non-daemon thread, a stuck teardown) is dumped and killed like any other.
+
+
+def _exit_now() -> None:
+    """End the process at once with status 0 (stdout and stderr flushed first)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _stacks(stack_dir: str, rank: int) -> str:
