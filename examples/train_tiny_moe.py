@@ -3,6 +3,11 @@
     python examples/train_tiny_moe.py                     # one rank per local GPU (or 2 CPU ranks)
     python examples/train_tiny_moe.py --graph             # the whole training step as one CUDA graph
     python examples/train_tiny_moe.py --backend reference --world-size 4   # CPU ranks, gloo
+    python examples/train_tiny_moe.py --fp8               # FP8 dispatch (e4m3 rows, float32 block scales)
+
+``--fp8`` dispatches the tokens as e4m3 rows with one scale per 128 channels; the experts run on
+the dequantized rows and the gradients pass straight through the quantization in the config dtype
+(``Dispatcher.dequantize``).
 
 The model: token embedding -> ``--layers`` blocks (RMSNorm, ``MoELayer``, residual) -> RMSNorm ->
 output head. The residual stream is float32; each ``MoELayer`` runs in the config's dtype.
@@ -56,6 +61,8 @@ WARMUP_STEPS = 3     # eager steps before a --graph capture (torch's whole-netwo
 SPREAD_WINDOW = 5    # steps whose loads are summed for the load spread at the start and at the end
 # The model used when no --config is given: small enough for CPU ranks.
 TINY = dict(num_experts=8, topk=2, hidden=64, max_tokens_per_rank=128, expert_alignment=8)
+# --fp8's hidden size for the built-in model: FP8 dispatch scales blocks of 128 channels.
+FP8_HIDDEN = 128
 # Its load balancing unless flags say otherwise: an auxiliary loss and the aux-loss-free bias. The
 # bias rate is larger than DeepSeek-V3's 0.001 so that it acts within a few dozen steps.
 BALANCING = dict(aux_loss_coef=0.01, bias_update_rate=0.01)
@@ -240,6 +247,9 @@ def _parse(argv) -> argparse.Namespace:
                         help=f"router.aux_loss_coef (default {BALANCING['aux_loss_coef']}, or the config's)")
     parser.add_argument("--bias-update-rate", type=float,
                         help=f"router.bias_update_rate (default {BALANCING['bias_update_rate']}, or the config's)")
+    parser.add_argument("--fp8", action="store_true",
+                        help="dispatch in FP8 (dispatch_dtype float8_e4m3fn; the built-in model's hidden becomes "
+                             f"{FP8_HIDDEN}, one scale block)")
     parser.add_argument("--no-balancing", action="store_true",
                         help="no balancing loss and no expert bias (the plain router: watch the load spread grow)")
     return parser.parse_args(argv)
@@ -256,6 +266,10 @@ def main(argv=None) -> int:
         balancing = dict(aux_loss_coef=0.0, seq_aux_loss_coef=0.0, z_loss_coef=0.0, bias_update_rate=0.0)
     if balancing:
         overrides["router"] = {**overrides.get("router", {}), **balancing}
+    if args.fp8:
+        overrides["dispatch_dtype"] = "float8_e4m3fn"
+        if args.config is None:
+            overrides["hidden"] = FP8_HIDDEN
     try:
         config = moe_comm.load_config(args.config, **overrides)
     except moe_comm.ConfigError as exc:
@@ -291,7 +305,8 @@ def main(argv=None) -> int:
     print(f"train_tiny_moe: {where}, backend {config.backend}, experts {config.num_experts} top-{config.topk}, "
           f"hidden {config.hidden}, {config.dtype}, {config.max_tokens_per_rank} tokens/rank/step, "
           f"aux loss {config.router.aux_loss_coef}, bias rate {config.router.bias_update_rate}, "
-          f"{args.steps} steps{', CUDA graph' if args.graph else ''}", flush=True)
+          f"{args.steps} steps{', FP8 dispatch' if config.dispatch_dtype else ''}{', CUDA graph' if args.graph else ''}",
+          flush=True)
     try:
         per_rank = run_ranks(_train_rank, world_size, config.to_dict(), options, dist_backend="nccl" if gpu else "gloo",
                              gpu=gpu, timeout_s=600)

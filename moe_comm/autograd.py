@@ -5,6 +5,9 @@
 * combine backward: ``dz[t]`` is sent along the same routing (``redispatch``); on the
   destination ``grad_y[row] = w * dz`` and ``grad_w[t, k] = <dz[t], y[row]>``, and the latter
   is returned to the source (``return_entry_values``).
+* FP8 dispatch: the quantization is taken as the identity for gradients (straight through, as
+  FP8 training recipes do), so the dequantized rows' backward is dispatch's: an unweighted
+  combine in the config dtype; gradients are never quantized.
 
 Every rank must run the same backward calls in the same order (they are collective), so
 the backward functions always make all their exchanges, whichever inputs need gradients.
@@ -19,7 +22,7 @@ import torch
 from .routing import Routing, row_values
 from .backends.base import Backend, DispatchResult
 
-__all__ = ["dispatch_with_grad", "combine_with_grad", "combine_backward"]
+__all__ = ["dispatch_with_grad", "combine_with_grad", "combine_backward", "straight_through_rows"]
 
 
 class _Dispatch(torch.autograd.Function):
@@ -36,6 +39,19 @@ class _Dispatch(torch.autograd.Function):
     def backward(ctx, grad_rows, _grad_offsets, _grad_counts):
         grad_x = ctx.backend.combine(grad_rows.contiguous(), ctx.routing, weighted=False)
         return grad_x, None, None, None, None
+
+
+class _StraightThrough(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, rows, backend: Backend, routing: Routing):
+        ctx.backend = backend
+        ctx.routing = routing
+        return rows
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        grad_x = ctx.backend.combine(grad_rows.contiguous(), ctx.routing, weighted=False)
+        return grad_x, None, None, None
 
 
 class _Combine(torch.autograd.Function):
@@ -101,3 +117,16 @@ def combine_with_grad(
 ) -> torch.Tensor:
     """``backend.combine`` recorded on the autograd tape: differentiable w.r.t. ``y`` and ``topk_weights``."""
     return _Combine.apply(y, topk_weights, backend, routing)
+
+
+def straight_through_rows(backend: Backend, x: torch.Tensor, rows: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """``rows`` recorded on the autograd tape as if they were ``x`` dispatched along ``routing``.
+
+    Args:
+        x: ``[T, H]`` the config-dtype tokens an FP8 dispatch quantized. rows: ``[capacity_rows, H]``
+            its output dequantized to the config dtype (computed without autograd).
+
+    Returns:
+        ``rows``, differentiable with respect to ``x``: the backward is an unweighted combine.
+    """
+    return _StraightThrough.apply(x, rows, backend, routing)

@@ -13,7 +13,7 @@ from . import fp8, ops, protocol
 from .agreement import agree
 from .protocol import StatusReport
 from .routing import Routing
-from .autograd import combine_with_grad, dispatch_with_grad
+from .autograd import combine_with_grad, dispatch_with_grad, straight_through_rows
 from .backends import host_identity, resolve_backend
 from .config import Config
 from .errors import ConfigError, DeviceStatusError, InputError, MoeCommError
@@ -54,6 +54,9 @@ class DispatchOutput:
         float32, one scale per 128 channels of each row of ``x`` (:mod:`moe_comm.fp8`; zeros on the
         padding rows); ``x`` and ``x_scales`` are views of one allocation of packed rows, so neither
         is contiguous (row stride ``moe_comm.fp8.packed_row_bytes(H)`` bytes). None otherwise.
+    source: with FP8 dispatch of an ``x`` that requires grad, that ``x``: :meth:`Dispatcher.dequantize`
+        makes the rows differentiable with respect to it (``x`` e4m3 itself carries no gradient).
+        None otherwise.
     """
 
     x: torch.Tensor
@@ -61,6 +64,7 @@ class DispatchOutput:
     tokens_per_expert: torch.Tensor
     handle: DispatchHandle
     x_scales: Optional[torch.Tensor] = None
+    source: Optional[torch.Tensor] = None
 
 
 def _describe(name: str, tensor: torch.Tensor) -> str:
@@ -208,8 +212,8 @@ class Dispatcher:
             topk_weights: ``[T, K]`` float32 router weights (used by :meth:`combine`).
 
         Returns:
-            A :class:`DispatchOutput`; differentiable with respect to ``x`` (FP8 dispatch: not yet,
-            an ``x`` that requires grad is refused).
+            A :class:`DispatchOutput`; differentiable with respect to ``x`` (FP8 dispatch: through
+            :meth:`dequantize`, whose rows' backward is the config-dtype one of a plain dispatch).
         """
         backend = self._live_backend()
         cfg = self.config
@@ -257,17 +261,16 @@ class Dispatcher:
             num_tokens = x_fp8.shape[0]
         else:
             _check_tensor("x", x, (None, cfg.hidden), (cfg.torch_dtype,), self.device, cfg.dtype)
-            if torch.is_grad_enabled() and x.requires_grad:
-                raise InputError("x: requires grad, but FP8 dispatch (dispatch_dtype float8_e4m3fn) has no backward "
-                                 "yet; dispatch under torch.no_grad() (inference), or with dispatch_dtype null to train")
             num_tokens = x.shape[0]
         self._check_routing(num_tokens, topk_idx, topk_weights)
-        result = backend.dispatch(self._pack_fp8(x), topk_idx, topk_weights)
+        source = x if isinstance(x, torch.Tensor) and torch.is_grad_enabled() and x.requires_grad else None
+        with torch.no_grad():
+            result = backend.dispatch(self._pack_fp8(x), topk_idx, topk_weights)
         out_x, out_scales = fp8.unpack(result.x, cfg.hidden)
         handle = DispatchHandle(self._id, result.routing, topk_weights)
         if cfg.check_every_step:
             self.check()
-        return DispatchOutput(out_x, result.expert_offsets, result.tokens_per_expert, handle, out_scales)
+        return DispatchOutput(out_x, result.expert_offsets, result.tokens_per_expert, handle, out_scales, source)
 
     def dequantize(self, out: DispatchOutput) -> torch.Tensor:
         """The rows of a dispatch output in the config dtype: ``[capacity_rows, H]``.
@@ -275,12 +278,21 @@ class Dispatcher:
         For FP8 dispatch ``float(out.x) * out.x_scales`` per 128 channels, rounded to the config
         dtype (:func:`moe_comm.dequantize`, in one pass on GPUs of compute capability 8.9 or newer;
         padding rows give zeros); otherwise ``out.x`` itself. For experts that do not take FP8.
+
+        Differentiable with respect to the dispatched ``x`` when it required grad (``out.source``):
+        straight through the quantization, so the backward is a plain dispatch's, an unweighted
+        combine of the rows' gradients in the config dtype (collective, like every backward here).
         """
         if out.x_scales is None:
             return out.x
-        if self._fp8_kernels is not None:
-            return self._fp8_kernels.dequantize_rows(out.x)
-        return fp8.dequantize(out.x, out.x_scales, self.config.torch_dtype)
+        with torch.no_grad():
+            if self._fp8_kernels is not None:
+                rows = self._fp8_kernels.dequantize_rows(out.x)
+            else:
+                rows = fp8.dequantize(out.x, out.x_scales, self.config.torch_dtype)
+        if out.source is None or not torch.is_grad_enabled():
+            return rows
+        return straight_through_rows(self._live_backend(), out.source, rows, out.handle.routing)
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Bring expert outputs back to their tokens and sum them with the router weights.

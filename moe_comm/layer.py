@@ -416,7 +416,7 @@ class MoELayer(nn.Module):
         """One dispatch -> experts -> combine of at most ``max_tokens_per_rank`` tokens: ``[T, H]`` and ``tokens_per_expert``."""
         with self._phase("dispatch"):
             out = self.dispatcher.dispatch(tokens, topk_idx, topk_weights)
-        # FP8 dispatch (inference only, see Dispatcher.dispatch): the experts run on the dequantized rows.
+        # FP8 dispatch: the experts run on the dequantized rows (gradients straight through, see Dispatcher.dequantize).
         y = self.experts(self.dispatcher.dequantize(out), out.expert_offsets)
         with self._phase("combine"):
             z = self.dispatcher.combine(y.contiguous(), out.handle)

@@ -41,6 +41,14 @@ def test_train_tiny_moe_loss_and_load_spread_go_down():
     assert len(spread) == 1 and spread[0].endswith(": fell"), result.stdout
 
 
+def test_train_tiny_moe_trains_with_fp8_dispatch():
+    # The experts run on dequantized e4m3 rows; the gradients go straight through in float32.
+    result = _run("--steps", "12", "--fp8", "--no-balancing")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "hidden 128" in result.stdout and "FP8 dispatch" in result.stdout, result.stdout
+    assert "went down" in result.stdout, result.stdout
+
+
 def _load_example():
     spec = importlib.util.spec_from_file_location("train_tiny_moe", SCRIPT)
     module = importlib.util.module_from_spec(spec)

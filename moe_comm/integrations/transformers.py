@@ -172,7 +172,7 @@ def _moe_comm_experts_forward(
     for tokens, topk_idx, topk_weights in zip(hidden_states.split(size), top_k_index.split(size),
                                               top_k_weights.split(size)):
         out = dispatcher.dispatch(tokens.contiguous(), topk_idx.contiguous(), topk_weights.float().contiguous())
-        # FP8 dispatch (dispatch_dtype; inference only): the experts run on the dequantized rows.
+        # FP8 dispatch (dispatch_dtype): the experts run on the dequantized rows (differentiable straight through).
         rows = _local_experts(self, dispatcher.dequantize(out), out.expert_offsets, grouped)
         pieces.append(dispatcher.combine(rows.contiguous(), out.handle))
     combined = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
