@@ -16,6 +16,7 @@ from .routing import Routing
 from .autograd import combine_with_grad, dispatch_with_grad, straight_through_rows
 from .backends import host_identity, resolve_backend
 from .config import Config
+from .fp8_codec import Fp8Codec
 from .errors import ConfigError, DeviceStatusError, InputError, MoeCommError
 
 __all__ = ["Dispatcher", "DispatchOutput", "DispatchHandle"]
@@ -134,28 +135,9 @@ class Dispatcher:
         self.capacity_rows = config.capacity_rows(self.world_size)
         self._id = next(_dispatcher_ids)
         self._backend = entry.create(config, group, self.device)
-        ops.register_backend(self._id, self._backend)
+        self._fp8 = Fp8Codec(config, self.device) if config.dispatch_dtype is not None else None
+        ops.register_backend(self._id, self._backend, self._fp8)
         self._closed = False
-        self._fp8_kernels = self._load_fp8_kernels()
-
-    def _load_fp8_kernels(self):
-        """The one-pass packing kernels of FP8 dispatch where the GPU has them, else None (torch packs)."""
-        if self.config.dispatch_dtype is None or self.device.type != "cuda":
-            return None
-        from .kernels import FP8_KERNELS_MIN_ARCH, Fp8PackKernels
-
-        if torch.cuda.get_device_capability(self.device) < FP8_KERNELS_MIN_ARCH:
-            return None
-        return Fp8PackKernels(self.device, self.config.torch_dtype, self.config.hidden)
-
-    def _pack_fp8(self, x) -> torch.Tensor:
-        """Packed FP8 rows (``moe_comm.fp8.pack``) of ``x`` or of an ``(x_fp8, x_scales)`` pair, in one pass on a GPU."""
-        kernels, round_scale = self._fp8_kernels, self.config.dispatch_round_scale
-        if isinstance(x, tuple):
-            return kernels.pack_pairs(*x) if kernels is not None else fp8.pack(*x)
-        if kernels is not None and not round_scale:
-            return kernels.quantize_pack(x)
-        return fp8.pack(*fp8.quantize(x, round_scale=round_scale))
 
     def _check_same_config(self) -> list[tuple[str, str]]:
         """Compare the configs of all ranks (one gather); returns every rank's host identity.
@@ -248,9 +230,6 @@ class Dispatcher:
     def _dispatch_fp8(self, backend, x, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> DispatchOutput:
         """FP8 dispatch: ``x`` quantized (or given as ``(x_fp8, x_scales)``), moved as packed rows, unpacked as views."""
         cfg = self.config
-        if torch.compiler.is_compiling():
-            raise ConfigError("config key 'dispatch_dtype': FP8 dispatch cannot be compiled by torch.compile yet; "
-                              "compile with dispatch_dtype null, or keep the dispatch call out of the compiled region")
         if isinstance(x, tuple):
             if len(x) != 2:
                 raise InputError(f"x: expected a tensor or an (x_fp8, x_scales) pair, got a tuple of {len(x)}")
@@ -259,13 +238,18 @@ class Dispatcher:
             _check_tensor("x_scales", x_scales, (x_fp8.shape[0], cfg.hidden // fp8.BLOCK), (torch.float32,),
                           self.device, "float32")
             num_tokens = x_fp8.shape[0]
+            x, x_scales = x_fp8, x_scales
         else:
             _check_tensor("x", x, (None, cfg.hidden), (cfg.torch_dtype,), self.device, cfg.dtype)
             num_tokens = x.shape[0]
+            x_scales = None
         self._check_routing(num_tokens, topk_idx, topk_weights)
-        source = x if isinstance(x, torch.Tensor) and torch.is_grad_enabled() and x.requires_grad else None
-        with torch.no_grad():
-            result = backend.dispatch(self._pack_fp8(x), topk_idx, topk_weights)
+        source = x if x_scales is None and torch.is_grad_enabled() and x.requires_grad else None
+        if torch.compiler.is_compiling():
+            result = ops.dispatch_fp8(self._id, x.detach(), x_scales, topk_idx, topk_weights.detach())
+        else:
+            with torch.no_grad():
+                result = backend.dispatch(self._fp8.pack(x, x_scales), topk_idx, topk_weights)
         out_x, out_scales = fp8.unpack(result.x, cfg.hidden)
         handle = DispatchHandle(self._id, result.routing, topk_weights)
         if cfg.check_every_step:
@@ -285,14 +269,14 @@ class Dispatcher:
         """
         if out.x_scales is None:
             return out.x
+        source = out.source if torch.is_grad_enabled() else None
+        if torch.compiler.is_compiling():
+            return ops.dequantize_fp8(self._id, out.x, out.x_scales, source, out.handle.routing)
         with torch.no_grad():
-            if self._fp8_kernels is not None:
-                rows = self._fp8_kernels.dequantize_rows(out.x)
-            else:
-                rows = fp8.dequantize(out.x, out.x_scales, self.config.torch_dtype)
-        if out.source is None or not torch.is_grad_enabled():
+            rows = self._fp8.dequantize(out.x, out.x_scales)
+        if source is None:
             return rows
-        return straight_through_rows(self._live_backend(), out.source, rows, out.handle.routing)
+        return straight_through_rows(self._live_backend(), source, rows, out.handle.routing)
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Bring expert outputs back to their tokens and sum them with the router weights.

@@ -27,21 +27,28 @@ from torch import Tensor
 from .autograd import combine_backward
 from .backends.base import Backend, DispatchResult
 from .errors import MoeCommError
+from .fp8 import packed_row_bytes
+from .fp8_codec import Fp8Codec
 from .routing import Routing
 
-__all__ = ["register_backend", "unregister_backend", "dispatch", "combine"]
+__all__ = ["register_backend", "unregister_backend", "dispatch", "combine", "dispatch_fp8", "dequantize_fp8"]
 
 _backends: dict[int, Backend] = {}
+_fp8_codecs: dict[int, Fp8Codec] = {}
 
 
-def register_backend(dispatcher_id: int, backend: Backend) -> None:
-    """Make ``backend`` reachable from the ops as ``dispatcher_id`` (``Dispatcher`` does this when built)."""
+def register_backend(dispatcher_id: int, backend: Backend, fp8_codec: Optional[Fp8Codec] = None) -> None:
+    """Make ``backend`` (and the FP8 codec of an FP8 dispatcher) reachable from the ops as
+    ``dispatcher_id`` (``Dispatcher`` does this when built)."""
     _backends[dispatcher_id] = backend
+    if fp8_codec is not None:
+        _fp8_codecs[dispatcher_id] = fp8_codec
 
 
 def unregister_backend(dispatcher_id: int) -> None:
     """Forget ``dispatcher_id`` (``Dispatcher.close``); a graph that still names it then fails clearly."""
     _backends.pop(dispatcher_id, None)
+    _fp8_codecs.pop(dispatcher_id, None)
 
 
 def _backend(dispatcher_id: int) -> Backend:
@@ -112,6 +119,79 @@ def dispatch(dispatcher_id: int, x: Tensor, topk_idx: Tensor, topk_weights: Tens
     """``Backend.dispatch`` of dispatcher ``dispatcher_id`` through the custom op (differentiable in ``x``)."""
     out_x, offsets, counts, *routing = torch.ops.moe_comm.dispatch(x, topk_idx, topk_weights, dispatcher_id)
     return DispatchResult(out_x, offsets, counts, _routing(*routing))
+
+
+# -------------------------------------------------------------------------------------- FP8 dispatch
+
+
+@torch.library.custom_op("moe_comm::dispatch_fp8", mutates_args=())
+def _dispatch_fp8_op(
+    x: Tensor, x_scales: Optional[Tensor], topk_idx: Tensor, topk_weights: Tensor, dispatcher_id: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """FP8 dispatch of config-dtype ``x`` (``x_scales`` None) or of the pair ``(x, x_scales)``: the packed
+    output rows ``[capacity_rows, packed_row_bytes(H)]`` uint8, then what ``dispatch`` returns after ``out.x``.
+
+    Not differentiable: the gradient reaches ``x`` through :func:`dequantize_fp8` (straight through).
+    """
+    packed = _fp8_codecs[dispatcher_id].pack(x, x_scales)
+    result = _backend(dispatcher_id).dispatch(packed, topk_idx, topk_weights, separate_outputs=True)
+    routing = result.routing
+    return (result.x, result.expert_offsets, result.tokens_per_expert, routing.send_mask, routing.dest_rank,
+            routing.recv_pos, routing.recv_weight)
+
+
+@_dispatch_fp8_op.register_fake
+def _dispatch_fp8_fake(x, x_scales, topk_idx, topk_weights, dispatcher_id):
+    rows, *rest = _dispatch_fake(x, topk_idx, topk_weights, dispatcher_id)
+    packed = x.new_empty((rows.shape[0], packed_row_bytes(rows.shape[1])), dtype=torch.uint8)
+    return (packed, *rest)
+
+
+def dispatch_fp8(dispatcher_id: int, x: Tensor, x_scales: Optional[Tensor], topk_idx: Tensor,
+                 topk_weights: Tensor) -> DispatchResult:
+    """FP8 dispatch through the custom op; ``result.x`` holds the packed rows (``moe_comm.fp8.unpack``)."""
+    packed, offsets, counts, *routing = torch.ops.moe_comm.dispatch_fp8(x, x_scales, topk_idx, topk_weights,
+                                                                         dispatcher_id)
+    return DispatchResult(packed, offsets, counts, _routing(*routing))
+
+
+@torch.library.custom_op("moe_comm::dequantize_fp8", mutates_args=())
+def _dequantize_fp8_op(
+    x_fp8: Tensor, x_scales: Tensor, source: Optional[Tensor], send_mask: Tensor, dest_rank: Tensor,
+    recv_pos: Tensor, recv_weight: Tensor, dispatcher_id: int,
+) -> Tensor:
+    """``[N, H]`` config dtype: the FP8 rows dequantized. ``source``, the ``x`` an FP8 dispatch quantized
+    along the routing, is an input only so autograd can reach it (straight through the quantization)."""
+    return _fp8_codecs[dispatcher_id].dequantize(x_fp8, x_scales)
+
+
+@_dequantize_fp8_op.register_fake
+def _dequantize_fp8_fake(x_fp8, x_scales, source, send_mask, dest_rank, recv_pos, recv_weight, dispatcher_id):
+    return x_fp8.new_empty(tuple(x_fp8.shape), dtype=_backend(dispatcher_id).config.torch_dtype)
+
+
+def _dequantize_fp8_setup(ctx, inputs, output) -> None:
+    ctx.dispatcher_id = inputs[-1]
+    ctx.save_for_backward(*inputs[3:7])
+
+
+def _dequantize_fp8_backward(ctx, grad_rows):
+    # Straight through: the rows' gradients go back to their tokens as a config-dtype dispatch's do.
+    grad_source = torch.ops.moe_comm.combine(grad_rows.contiguous(), None, *ctx.saved_tensors, ctx.dispatcher_id,
+                                             False)
+    return None, None, grad_source, None, None, None, None, None
+
+
+torch.library.register_autograd("moe_comm::dequantize_fp8", _dequantize_fp8_backward,
+                                setup_context=_dequantize_fp8_setup)
+
+
+def dequantize_fp8(dispatcher_id: int, x_fp8: Tensor, x_scales: Tensor, source: Optional[Tensor],
+                   routing: Routing) -> Tensor:
+    """The rows of an FP8 dispatch output in the config dtype through the custom op; differentiable
+    with respect to ``source`` (None: not differentiable)."""
+    return torch.ops.moe_comm.dequantize_fp8(x_fp8, x_scales, source, routing.send_mask, routing.dest_rank,
+                                             routing.recv_pos, routing.recv_weight, dispatcher_id)
 
 
 # ------------------------------------------------------------------------------------------- combine

@@ -181,3 +181,25 @@ def test_overlap_rows_keep_their_times_and_get_their_own_table(monkeypatch):
     assert merged["extra"] == {"combine_error": None, **times}
     table = bench.markdown_table([merged])
     assert "| 4096 | 24 | 400.0 | 1200.0 | 1400.0 | 1500.0 | 75% | 25% | GEMM 8192^3 bf16 |" in table
+
+
+def test_fp8_layer_benchmark_smoke_run(tmp_path):
+    # benchmarks/bench_fp8_layer.py as a user runs it, on the CPU: a row per token count with the
+    # FP8 layer's errors against the config-dtype layer, and its result files.
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_fp8_layer.py"), "--tokens", "16",
+                             "--repeats", "1", "--out", str(tmp_path), "--name", "smoke"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    (row,) = json.loads((tmp_path / "smoke.json").read_text())["rows"]
+    assert row["tokens"] == 16 and row["dequantized_rows"] > 0
+    for key in ("output_rel_err", "input_grad_rel_err", "weight_grad_rel_err"):
+        assert 0 < row[key] < 0.08, row
+    assert "| 16 |" in (tmp_path / "smoke.md").read_text()

@@ -5,6 +5,8 @@ residual MoELayers sharing a Dispatcher traces into one graph with no break; run
 traced graph (``aot_eager``) it gives eager's output and every gradient bit for bit; with
 ``mode="reduce-overhead"`` (Inductor records CUDA graphs and replays them) steps with new tokens
 give what Inductor's code gives without graphs; a compiled layer stays within bf16 rounding of eager.
+The same with FP8 dispatch (``dispatch_dtype: float8_e4m3fn``: its dispatch and straight-through
+dequantization are custom ops too).
 """
 
 from __future__ import annotations
@@ -48,9 +50,10 @@ def _errors(want: list, got: list) -> float:
                for a, b in zip(want, got))
 
 
-def _rank_main(rank: int, world: int) -> dict:
+def _rank_main(rank: int, world: int, dispatch_dtype) -> dict:
     cfg = moe_comm.load_config(None, backend="vmm", num_experts=8, topk=2, hidden=HIDDEN,
-                               max_tokens_per_rank=TOKENS, dtype="bfloat16", expert_alignment=16)
+                               max_tokens_per_rank=TOKENS, dtype="bfloat16", expert_alignment=16,
+                               dispatch_dtype=dispatch_dtype)
     result = {}
     with moe_comm.Dispatcher(cfg) as disp:
         model = _TwoMoeBlocks(disp)
@@ -79,10 +82,11 @@ def _rank_main(rank: int, world: int) -> dict:
 
 
 # World 1 keeps every expert local; world 2 exchanges tokens (time-sliced ranks on one GPU).
-@pytest.mark.parametrize("world", [1, 2])
-def test_compiled_model_on_gpu_equals_eager(world, requires_gpus):
+@pytest.mark.parametrize("world, dispatch_dtype", [(1, None), (2, None), (2, "float8_e4m3fn")])
+def test_compiled_model_on_gpu_equals_eager(world, dispatch_dtype, requires_gpus):
     gpus = requires_gpus(gpus_needed("vmm", world))
-    per_rank = run_ranks(_rank_main, world, dist_backend=dist_backend_for(world, gpus), gpu=True, timeout_s=300)
+    per_rank = run_ranks(_rank_main, world, dispatch_dtype, dist_backend=dist_backend_for(world, gpus), gpu=True,
+                         timeout_s=300)
     for rank, result in enumerate(per_rank):
         assert (result["graphs"], result["breaks"]) == (1, 0), f"rank {rank}: {result}"
         assert result["aot_eager"] == 0.0, f"rank {rank}: {result}"

@@ -156,9 +156,10 @@ def _rank_fp8_training(rank: int, world: int, backend_id: str) -> dict:
             (rows.float() * upstream.float()).sum().backward()
             return leaf.grad
 
+        want = input_grad(plain, x.clone().requires_grad_()).clone()
+        results["eager_grad"] = torch.equal(input_grad(disp, x.clone().requires_grad_()), want)
+        # A leaf of its own: one whose gradient was accumulated on the default stream cannot be captured.
         leaf = x.clone().requires_grad_()
-        want = input_grad(plain, leaf).clone()
-        results["eager_grad"] = torch.equal(input_grad(disp, leaf), want)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             captured = input_grad(disp, leaf)
@@ -182,8 +183,12 @@ def _rank_fp8_training(rank: int, world: int, backend_id: str) -> dict:
         results["weight_grad_rel_err"] = max(_relative(a.grad, b.grad) for a, b in
                                              zip(layers[0].parameters(), layers[1].parameters()) if b.grad is not None)
 
+        for layer in layers:
+            layer.close()
+
         # A captured FP8 training step (forward, loss, backward; Adam outside), replayed: the loss falls.
-        layer = layers[0]
+        # A new layer: the first one's parameters gathered gradients on the default stream.
+        layer = moe_comm.MoELayer(disp.config, 256, dispatcher=disp, seed=6)
         optimizer = torch.optim.Adam(layer.parameters(), lr=3e-3)
         target = torch.randn(TOKENS, HIDDEN, generator=gen).to(device, torch.bfloat16)
         static_x = x.clone()
@@ -211,8 +216,7 @@ def _rank_fp8_training(rank: int, world: int, backend_id: str) -> dict:
         results["losses"] = losses
         disp.check()
         plain.check()
-        for layer in layers:
-            layer.close()
+        layer.close()
     return results
 
 
