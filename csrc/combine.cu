@@ -33,8 +33,6 @@
 
 #include "common.cuh"
 
-static_assert(!QUANTIZE_FP8, "combine moves config-dtype rows only");
-
 #define COMBINE_SEND_VPL 2   // vectors per lane per unit: 16 loads in flight per lane (4 is slower: registers)
 #define COMBINE_GROUP 8      // entries whose vectors are loaded at once (one round trip for top-8)
 #define COMBINE_RECV_VPL 4

@@ -62,25 +62,8 @@ typedef unsigned long long u64;
 #error "DTYPE must be bf16, f16 or f32"
 #endif
 
-#ifndef QUANTIZE_FP8
-#define QUANTIZE_FP8 0
-#endif
-
-// FP8 dispatch's packed row (moe_comm.fp8.pack; the math in fp8.cuh): HIDDEN e4m3 bytes, one
-// float32 scale per FP8_BLOCK channels, zeros up to a multiple of 16 bytes.
-#define FP8_BLOCK 128
-#define FP8_SCALE_BYTES (4 * (HIDDEN / FP8_BLOCK))
-#define FP8_PACKED_BYTES (HIDDEN + ((FP8_SCALE_BYTES + 15) / 16) * 16)
-
-// A row of the user's tensors (x, y, z). The rows the kernels move (slabs, out_x) are the same,
-// except in dispatch's quantizing build (QUANTIZE_FP8), where they leave as packed FP8 rows.
-#define SRC_ROW_BYTES (HIDDEN * ELEM_BYTES)
-#if QUANTIZE_FP8
-#define ROW_BYTES FP8_PACKED_BYTES
-#else
-#define ROW_BYTES SRC_ROW_BYTES
-#endif
-#define ROW_VECS (ROW_BYTES / 16)         // 16-byte vectors per moved row
+#define ROW_BYTES (HIDDEN * ELEM_BYTES)
+#define ROW_VECS (ROW_BYTES / 16)         // 16-byte vectors per row
 #define ELEMS_PER_VEC (16 / ELEM_BYTES)   // elements per 16-byte vector
 
 static_assert(ROW_BYTES % 16 == 0, "rows must be a multiple of 16 bytes");

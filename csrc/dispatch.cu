@@ -48,107 +48,13 @@
 // A wait that runs past timeout_ns records (phase, peer) into the status word and gives up, so
 // every kernel terminates; the results of that call are then invalid (Dispatcher.check() says so).
 //
-// FP8 dispatch runs one of two more builds: rows already packed (moe_comm.fp8.pack) move through
-// a build for rows of that many bytes; config-dtype rows through the quantizing build
-// (QUANTIZE_FP8, below "rows of x as they move"), which packs each row as it sends and expands it.
-//
 // moe_comm-defines: {"DTYPE": "bf16", "HIDDEN": 1024, "TOPK": 4}
 // moe_comm-defines: {"DTYPE": "bf16", "HIDDEN": 7168, "TOPK": 8}
-// moe_comm-defines: {"DTYPE": "bf16", "HIDDEN": 7168, "TOPK": 8, "QUANTIZE_FP8": 1, "FP8_INV_MAX_BITS": 991054117}
 
-#if QUANTIZE_FP8
-#include "fp8.cuh"
-#else
 #include "common.cuh"
-#endif
 
 #define EXPAND_VPL 4        // small units: decode sizes have few rows to spread over the SMs
 #define LAYOUT_BATCH 8      // tiles whose metadata a warp loads before it ranks them
-
-// ------------------------------------------------------------------ rows of x as they move
-
-// The quantizing build (QUANTIZE_FP8, FP8 dispatch of config-dtype rows) reads x [T, HIDDEN] in
-// DTYPE and moves packed FP8 rows (ROW_BYTES = FP8_PACKED_BYTES): each lane turns the source
-// channels of one 16-byte e4m3 vector (16 channels; 8 aligned lanes hold a 128-channel block)
-// into that vector and its block's scale as it copies, so no packed copy of x is written first.
-// A unit of a source row is 32 * VPL vectors of the packed row's e4m3 part (SourceParts); every
-// other build copies rows as they are (SourceParts = RowParts).
-#if QUANTIZE_FP8
-static_assert(!PUT_TRANSPORT, "the quantizing build stores rows into peers' slabs; the put transport packs first");
-#define SOURCE_VECS (HIDDEN / 16)
-#define SOURCE_LOADS (16 / ELEMS_PER_VEC)  // vectors of x behind one e4m3 vector
-#else
-#define SOURCE_VECS ROW_VECS
-#endif
-
-template <int VPL>
-struct SourceParts {
-    static constexpr int kVecs = 32 * VPL;
-    static constexpr int kPerRow = (SOURCE_VECS + kVecs - 1) / kVecs;
-};
-
-// Lane's share of one unit of a source row in its moved form: vectors v0 + 32 u (u < VPL) of the
-// moved row, and (quantizing) the scale of each one's block.
-template <int VPL>
-struct SourceUnit {
-    Vec16 vals[VPL];
-#if QUANTIZE_FP8
-    float scale[VPL];
-#endif
-};
-
-// Warp-wide: one unit of row `src` of x (read-only for the whole kernel) in its moved form.
-template <int VPL>
-__device__ __forceinline__ void load_source_unit(const u8* src, SourceUnit<VPL>& unit, int v0) {
-#if QUANTIZE_FP8
-    Vec16 raw[VPL][SOURCE_LOADS];  // every load issued before the arithmetic
-#pragma unroll
-    for (int u = 0; u < VPL; ++u) {
-        const int v = v0 + 32 * u;
-#pragma unroll
-        for (int l = 0; l < SOURCE_LOADS; ++l) {
-            raw[u][l] = v < SOURCE_VECS ? ld16_nc(src + (static_cast<i64>(v) * SOURCE_LOADS + l) * 16) : zero16();
-        }
-    }
-#pragma unroll
-    for (int u = 0; u < VPL; ++u) {
-        float f[16];
-#pragma unroll
-        for (int l = 0; l < SOURCE_LOADS; ++l) {
-            float part[ELEMS_PER_VEC];
-            unpack16(raw[u][l], part);
-#pragma unroll
-            for (int e = 0; e < ELEMS_PER_VEC; ++e) f[l * ELEMS_PER_VEC + e] = part[e];
-        }
-        // Lanes past the row hold zeros: they take part in the shuffles and store nothing.
-        unit.scale[u] = fp8_block_scale<FP8_BLOCK / 16>(f);
-        fp8_quantize_words(f, unit.scale[u], unit.vals[u].w);
-    }
-#else
-    load_unit<VPL, kUserInput>(src, unit.vals, v0);
-#endif
-}
-
-// Lane's share of a unit from load_source_unit into the moved row at `dst` (local, or a peer's
-// over NVLink). Quantizing, the first lane of each block also stores its scale, and the lane of
-// the row's first vector the zeros after the scales.
-template <int VPL>
-__device__ __forceinline__ void store_source_unit(u8* dst, const SourceUnit<VPL>& unit, int v0) {
-#if QUANTIZE_FP8
-#pragma unroll
-    for (int u = 0; u < VPL; ++u) {
-        const int v = v0 + 32 * u;
-        if (v >= SOURCE_VECS) continue;
-        st16(dst + static_cast<i64>(v) * 16, unit.vals[u]);
-        if ((v & 7) == 0) *reinterpret_cast<float*>(dst + HIDDEN + 4 * (v >> 3)) = unit.scale[u];
-        if (v == 0) {
-            for (int b = HIDDEN + FP8_SCALE_BYTES; b < FP8_PACKED_BYTES; b += 4) *reinterpret_cast<u32*>(dst + b) = 0u;
-        }
-    }
-#else
-    store_unit<VPL>(dst, unit.vals, v0);
-#endif
-}
 
 // ------------------------------------------------------------------------------- send phase
 
@@ -166,24 +72,23 @@ __device__ __forceinline__ u64 leader_dest_set(u32 leaders, int dest) {
 // stored into this rank's own slab row, the copy NVSHMEM reads.
 __device__ __forceinline__ void send_token_unit(const i64* s_peer, int rank, int max_tokens_per_rank, i64 off_recv_x,
                                                 const void* x, int t, int chunk, u64 dests) {
-    typedef SourceParts<SEND_VPL> Chunks;
+    typedef RowParts<SEND_VPL> Chunks;
     const u64 others = dests & ~(1ull << rank);
     if (others == 0ull) return;
     const i64 row_offset = off_recv_x + (static_cast<i64>(rank) * max_tokens_per_rank + t) * ROW_BYTES;
     const int v0 = chunk * Chunks::kVecs + (threadIdx.x & 31);
-    SourceUnit<SEND_VPL> unit;
-    load_source_unit<SEND_VPL>(static_cast<const u8*>(x) + static_cast<i64>(t) * SRC_ROW_BYTES, unit, v0);
+    Vec16 vals[SEND_VPL];
+    load_unit<SEND_VPL, kUserInput>(static_cast<const u8*>(x) + static_cast<i64>(t) * ROW_BYTES, vals, v0);
 #if PUT_TRANSPORT
     const u8* staged = reinterpret_cast<const u8*>(s_peer[rank] + row_offset);
-    store_unit<SEND_VPL>(const_cast<u8*>(staged), unit.vals, v0);
+    store_unit<SEND_VPL>(const_cast<u8*>(staged), vals, v0);
     for (u64 m = others; m != 0ull; m &= m - 1ull) {
         const int r = __ffsll(static_cast<i64>(m)) - 1;
         put_unit<SEND_VPL>(reinterpret_cast<u8*>(s_peer[r] + row_offset), staged, chunk, r);
     }
 #else
     for (u64 m = others; m != 0ull; m &= m - 1ull) {
-        store_source_unit<SEND_VPL>(reinterpret_cast<u8*>(s_peer[__ffsll(static_cast<i64>(m)) - 1] + row_offset), unit,
-                                    v0);
+        store_unit<SEND_VPL>(reinterpret_cast<u8*>(s_peer[__ffsll(static_cast<i64>(m)) - 1] + row_offset), vals, v0);
     }
 #endif
 }
@@ -285,7 +190,7 @@ __device__ __forceinline__ void send_token_rows(u64* state, const i64* s_peer, i
                                                 u64 epoch, i64 off_recv_x, int num_experts, int num_senders,
                                                 int chunk_tokens, const void* x, const void* topk_idx,
                                                 int idx_is_64, int num_tokens) {
-    typedef SourceParts<SEND_VPL> Chunks;
+    typedef RowParts<SEND_VPL> Chunks;
     const int warps = blockDim.x >> 5;
     const int num_local_experts = num_experts / world;
     const i64 num_units = static_cast<i64>(num_tokens) * Chunks::kPerRow;
@@ -315,7 +220,7 @@ __device__ __forceinline__ void send_token_rows(u64* state, const i64* s_peer, i
 // with send_mask[t, r] (blocks [0, num_senders)).
 __device__ __forceinline__ void send_rows(const i64* s_peer, int rank, int world, int max_tokens_per_rank, i64 off_recv_x,
                                           int num_senders, const void* x, int num_tokens, const u8* send_mask) {
-    typedef SourceParts<SEND_VPL> Chunks;
+    typedef RowParts<SEND_VPL> Chunks;
     const int warps = blockDim.x >> 5;
     const i64 num_units = static_cast<i64>(num_tokens) * Chunks::kPerRow;
     for (i64 unit = static_cast<i64>(blockIdx.x) * warps + (threadIdx.x >> 5); unit < num_units;
@@ -603,9 +508,7 @@ __device__ __forceinline__ BatchShape slab_rows(SlabRows set, int rank, int worl
 __device__ __forceinline__ void copy_listed_rows(const RowBatch& batch, int listed, const u8* recv, const u8* x,
                                                  int num_tokens, int rank, int max_tokens_per_rank, int capacity_rows,
                                                  u8* out) {
-    // Units of moved rows; a source row (quantizing: its e4m3 part only) may need fewer.
     typedef RowParts<EXPAND_VPL> Chunks;
-    static_assert(SourceParts<EXPAND_VPL>::kPerRow <= Chunks::kPerRow, "a source row has no more units than a moved one");
     const int lane = threadIdx.x & 31;
     const int warps = blockDim.x >> 5;
     const i64 own_first = static_cast<i64>(rank) * max_tokens_per_rank;
@@ -616,18 +519,13 @@ __device__ __forceinline__ void copy_listed_rows(const RowBatch& batch, int list
         const u32 kept = __ballot_sync(FULL_MASK, lane < TOPK && pos >= 0 && pos < capacity_rows);
         const i64 g = batch.row[r];
         const int v0 = chunk * Chunks::kVecs + lane;
-        if (g >= own_first && g < own_first + max_tokens_per_rank) {
-            if (g - own_first >= num_tokens || chunk >= SourceParts<EXPAND_VPL>::kPerRow) continue;
-            SourceUnit<EXPAND_VPL> source;
-            load_source_unit<EXPAND_VPL>(x + (g - own_first) * SRC_ROW_BYTES, source, v0);
-            for (u32 m = kept; m != 0u; m &= m - 1u) {
-                const int k = __ffs(static_cast<int>(m)) - 1;
-                store_source_unit<EXPAND_VPL>(out + static_cast<i64>(batch.pos[r * TOPK + k]) * ROW_BYTES, source, v0);
-            }
-            continue;
-        }
         Vec16 vals[EXPAND_VPL];
-        load_unit<EXPAND_VPL, kWrittenHere>(recv + g * ROW_BYTES, vals, v0);
+        if (g >= own_first && g < own_first + max_tokens_per_rank) {
+            if (g - own_first >= num_tokens) continue;
+            load_unit<EXPAND_VPL, kUserInput>(x + (g - own_first) * ROW_BYTES, vals, v0);
+        } else {
+            load_unit<EXPAND_VPL, kWrittenHere>(recv + g * ROW_BYTES, vals, v0);
+        }
         for (u32 m = kept; m != 0u; m &= m - 1u) {
             const int k = __ffs(static_cast<int>(m)) - 1;
             store_unit<EXPAND_VPL>(out + static_cast<i64>(batch.pos[r * TOPK + k]) * ROW_BYTES, vals, v0);

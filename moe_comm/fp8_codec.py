@@ -1,11 +1,9 @@
-"""FP8 rows on one dispatcher's device: dispatching them, dequantizing the output.
+"""FP8 rows on one dispatcher's device: packing them for dispatch, dequantizing its output.
 
-Config-dtype rows are quantized by the backend's dispatch kernel as it moves them where it can
-(``Backend.quantizes_fp8``: the device backends' store transport on sm_89+); otherwise they are
-packed first, by the one-pass kernels of ``csrc/fp8.cu`` on GPUs of compute capability 8.9 or
-newer (:class:`moe_comm.kernels.Fp8PackKernels`) and by the torch reference (:mod:`moe_comm.fp8`)
-elsewhere and for power-of-two scales. Every path gives the reference's bytes, so the eager and
-the compiled paths (``moe_comm.ops``) share this one object per dispatcher.
+On GPUs of compute capability 8.9 or newer the one-pass kernels of ``csrc/fp8.cu`` run
+(:class:`moe_comm.kernels.Fp8PackKernels`); elsewhere, and for power-of-two scales, the torch
+reference (:mod:`moe_comm.fp8`). Both give the same bytes, so the eager and the compiled paths
+(``moe_comm.ops``) share this one object per dispatcher.
 """
 
 from __future__ import annotations
@@ -15,7 +13,6 @@ from typing import Optional
 import torch
 
 from . import fp8
-from .backends.base import Backend, DispatchResult
 from .config import Config
 
 __all__ = ["Fp8Codec"]
@@ -39,14 +36,6 @@ class Fp8Codec:
 
             if torch.cuda.get_device_capability(device) >= FP8_KERNELS_MIN_ARCH:
                 self._kernels = Fp8PackKernels(device, self._dtype, self._hidden)
-
-    def dispatch(self, backend: Backend, x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: torch.Tensor,
-                 topk_weights: torch.Tensor, *, separate_outputs: bool = False) -> DispatchResult:
-        """FP8 dispatch of config-dtype ``x [T, H]`` (``x_scales`` None) or of the pair ``(x, x_scales)``
-        through ``backend``; the result's ``x`` holds packed rows ``[capacity_rows, packed_row_bytes(H)]``."""
-        if x_scales is None and not self._round_scale and backend.quantizes_fp8:
-            return backend.dispatch_quantized(x, topk_idx, topk_weights, separate_outputs=separate_outputs)
-        return backend.dispatch(self.pack(x, x_scales), topk_idx, topk_weights, separate_outputs=separate_outputs)
 
     def pack(self, x: torch.Tensor, x_scales: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Packed rows ``[T, packed_row_bytes(H)]`` uint8 of config-dtype ``x [T, H]`` (quantized), or of

@@ -29,7 +29,6 @@ __all__ = [
     "FP8_KERNELS_MIN_ARCH",
     "Fp8PackKernels",
     "fp8_defines",
-    "quantizing_dispatch_defines",
     "CommArgs",
     "RoutingAddresses",
     "kernel_defines",
@@ -79,11 +78,9 @@ def compile_for_config(config, arch: str) -> list:
     defines = kernel_defines(config.torch_dtype, config.hidden, config.topk, put_transport=put)
     toolchain = nvshmem_build.toolchain() if put else jit.Toolchain()
     builds = [("dispatch", defines), ("combine", defines)]
-    if config.dispatch_dtype is not None:  # FP8 dispatch's builds (see backends/device.py)
+    if config.dispatch_dtype is not None:  # FP8 dispatch's build for packed rows (see backends/device.py)
         builds.append(("dispatch", kernel_defines(torch.bfloat16, fp8.packed_row_bytes(config.hidden) // 2,
                                                   config.topk, put_transport=put)))
-        if not put:
-            builds.append(("dispatch", quantizing_dispatch_defines(config.torch_dtype, config.hidden, config.topk)))
         builds.append(("fp8", fp8_defines(config.torch_dtype, config.hidden)))
     return [jit.compile_source(name, arch=arch, defines=row_defines, toolchain=toolchain) for name, row_defines in builds]
 
@@ -91,20 +88,10 @@ def compile_for_config(config, arch: str) -> list:
 FP8_KERNELS_MIN_ARCH = (8, 9)  # csrc/fp8.cu converts with cvt.rn.satfinite.e4m3x2.f32
 
 
-def _fp8_inv_max_bits() -> int:
-    """The bits of float32(1 / 448), the factor of every FP8 scale (``csrc/fp8.cuh``)."""
-    return struct.unpack("<I", struct.pack("<f", 1.0 / fp8.FP8_MAX))[0]
-
-
 def fp8_defines(dtype: torch.dtype, hidden: int) -> dict:
     """The compile-time defines of ``csrc/fp8.cu`` for rows of ``hidden`` ``dtype``."""
-    return {**kernel_defines(dtype, hidden, 1), "FP8_INV_MAX_BITS": _fp8_inv_max_bits()}
-
-
-def quantizing_dispatch_defines(dtype: torch.dtype, hidden: int, topk: int) -> dict:
-    """The defines of ``csrc/dispatch.cu``'s quantizing build: ``x`` in ``dtype``, packed FP8 rows moved
-    (store transport only; sm_89 or newer to run)."""
-    return {**kernel_defines(dtype, hidden, topk), "QUANTIZE_FP8": 1, "FP8_INV_MAX_BITS": _fp8_inv_max_bits()}
+    inv_max_bits = struct.unpack("<I", struct.pack("<f", 1.0 / fp8.FP8_MAX))[0]
+    return {**kernel_defines(dtype, hidden, 1), "FP8_INV_MAX_BITS": inv_max_bits}
 
 
 class Fp8PackKernels:
@@ -245,9 +232,7 @@ class DispatchKernels:
         self._redispatch = load("redispatch")
         self._grid = grid_sms
         self._num_sms = min(num_sms, grid_sms)
-        # A sent unit covers moved-row vectors; the quantizing build sends only the e4m3 part (HIDDEN bytes).
-        sent_bytes = defines["HIDDEN"] if defines.get("QUANTIZE_FP8") else regions.row_bytes
-        self._send_parts = _parts_per_row(sent_bytes, protocol.SEND_VPL)
+        self._send_parts = _parts_per_row(regions.row_bytes, protocol.SEND_VPL)
         prefix = args.prefix()
 
         # About LAYOUT_ROWS_PER_BLOCK slab rows per layout block; the layout blocks publish their

@@ -11,7 +11,6 @@ import torch
 import torch.distributed as dist
 
 from .. import protocol
-from ..errors import BackendError
 from ..routing import Routing
 
 if TYPE_CHECKING:
@@ -70,17 +69,6 @@ class Backend(abc.ABC):
         ``separate_outputs``: every returned tensor has its own storage (torch custom ops may not
         return aliasing tensors); otherwise a backend may pack small outputs into one allocation.
         """
-
-    #: Whether :meth:`dispatch_quantized` runs here (FP8 dispatch that quantizes rows as it moves them).
-    quantizes_fp8 = False
-
-    def dispatch_quantized(
-        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *, separate_outputs: bool = False
-    ) -> DispatchResult:
-        """FP8 dispatch of config-dtype ``x [T, H]``, each row quantized as it is moved (the bytes of
-        ``moe_comm.fp8.pack(*moe_comm.fp8.quantize(x))``, without that packed copy of ``x``); the
-        result's ``x`` is packed rows. Only where :attr:`quantizes_fp8`."""
-        raise BackendError(f"backend {self.name!r} does not quantize rows as it moves them; pack them and dispatch")
 
     @abc.abstractmethod
     def redispatch(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:

@@ -228,19 +228,13 @@ class DeviceBackend(Backend):
         self._dispatch_kernels = dispatch_kernels(defines, self.regions)
         # FP8 dispatch moves packed rows (moe_comm.fp8.pack) as opaque bytes: a build of the same
         # kernels for rows of that many bytes, in the same (larger) slabs, with the same epochs.
-        self._packed_dispatch_kernels = self._quantizing_dispatch_kernels = None
+        self._packed_dispatch_kernels = None
         if cfg.dispatch_dtype is not None:
             packed_bytes = fp8.packed_row_bytes(cfg.hidden)
-            packed_regions = dataclasses.replace(self.regions, row_bytes=packed_bytes)
             packed_defines = kernels.kernel_defines(torch.bfloat16, packed_bytes // 2, cfg.topk,
                                                     put_transport=self._put_transport)
-            self._packed_dispatch_kernels = dispatch_kernels(packed_defines, packed_regions)
-            # Config-dtype rows quantized as they are sent and expanded (no packed copy of x first):
-            # the store transport on sm_89+, scales not rounded to powers of two (those pack with torch).
-            if (not self._put_transport and not cfg.dispatch_round_scale
-                    and torch.cuda.get_device_capability(self.device) >= kernels.FP8_KERNELS_MIN_ARCH):
-                self._quantizing_dispatch_kernels = dispatch_kernels(
-                    kernels.quantizing_dispatch_defines(self.dtype, cfg.hidden, cfg.topk), packed_regions)
+            self._packed_dispatch_kernels = dispatch_kernels(
+                packed_defines, dataclasses.replace(self.regions, row_bytes=packed_bytes))
         self._combine_kernels = kernels.CombineKernels(
             self.device, defines, args, self.regions, capacity_rows=self.capacity_rows, num_sms=cfg.num_sms,
             grid_sms=grid_sms, toolchain=toolchain,
@@ -293,24 +287,6 @@ class DeviceBackend(Backend):
         launcher = self._packed_dispatch_kernels if x.dtype == torch.uint8 else self._dispatch_kernels
         out_x = torch.empty((self.capacity_rows, x.shape[1]), dtype=x.dtype, device=device)
         launcher.dispatch(x, topk_idx, topk_weights, _addresses(routing), expert_offsets, tokens_per_expert, out_x)
-        return DispatchResult(out_x, expert_offsets, tokens_per_expert, routing)
-
-    @property
-    def quantizes_fp8(self) -> bool:
-        return self._quantizing_dispatch_kernels is not None
-
-    def dispatch_quantized(
-        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *, separate_outputs: bool = False
-    ) -> DispatchResult:
-        cfg = self.config
-        outputs = _separate_outputs if separate_outputs else _packed_outputs
-        expert_offsets, tokens_per_expert, routing = outputs(
-            x.shape[0], self.world_size, cfg.max_tokens_per_rank, cfg.topk, self.num_local_experts, self.device
-        )
-        out_x = torch.empty((self.capacity_rows, fp8.packed_row_bytes(cfg.hidden)), dtype=torch.uint8,
-                            device=self.device)
-        self._quantizing_dispatch_kernels.dispatch(x, topk_idx, topk_weights, _addresses(routing), expert_offsets,
-                                                   tokens_per_expert, out_x)
         return DispatchResult(out_x, expert_offsets, tokens_per_expert, routing)
 
     def redispatch(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
