@@ -84,6 +84,8 @@ def main(argv: list[str]) -> int:
     # One write per line: ranks share the terminal, and print's separate newline can interleave.
     sys.stdout.write(f"rank {rank}/{world} on {model.moe_comm_dispatcher.backend_name}: {verdict}; generated "
                      f"{generated.shape[1] - args.prompt_len} tokens per prompt: {generated[0, args.prompt_len:].tolist()}\n")
+    # Release the dispatcher's buffers before the process group they were set up over.
+    model.moe_comm_dispatcher.close()
     dist.destroy_process_group()
     return 0 if ok else 1
 

@@ -1,6 +1,7 @@
 """MoELayer's routing variants, load balancing, shared experts and batches sent in slices on a GPU
-(contract: layer / router / graph replay), on the ``vmm`` backend at world 1 and 2 (two ranks
-time-sliced on one GPU where there is only one; see ``tests/gpu_backends.py``).
+(contract: layer / router / graph replay), on the ``vmm`` backend at world 2 (two ranks
+time-sliced on one GPU where there is only one; see ``tests/gpu_backends.py``): the balancing
+math is rank-local save its all-reduces, which world 2 exercises, so world 1 would repeat it.
 
 * against the dense float32 reference (``tests/layer_checks.py``): output, the gradients of the
   input, the router, the shared and the routed experts, the balancing losses, the first layer's
@@ -175,7 +176,7 @@ def _rank_main(rank: int, world: int) -> dict:
     return results
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [2])
 def test_balancing_features_on_vmm(world, requires_gpus):
     gpus = requires_gpus(gpus_needed("vmm", world))
     dist_backend = dist_backend_for(world, gpus)

@@ -81,8 +81,9 @@ def _rank_main(rank: int, world: int, dispatch_dtype) -> dict:
     return result
 
 
-# World 1 keeps every expert local; world 2 exchanges tokens (time-sliced ranks on one GPU).
-@pytest.mark.parametrize("world, dispatch_dtype", [(1, None), (2, None), (2, "float8_e4m3fn")])
+# World 1 keeps every expert local; world 2 exchanges tokens (time-sliced ranks on one GPU). The ops
+# are the same at any world size, so FP8 dispatch's ops are compiled at world 1 only.
+@pytest.mark.parametrize("world, dispatch_dtype", [(1, "float8_e4m3fn"), (2, None)])
 def test_compiled_model_on_gpu_equals_eager(world, dispatch_dtype, requires_gpus):
     gpus = requires_gpus(gpus_needed("vmm", world))
     per_rank = run_ranks(_rank_main, world, dispatch_dtype, dist_backend=dist_backend_for(world, gpus), gpu=True,

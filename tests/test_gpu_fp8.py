@@ -220,7 +220,8 @@ def _rank_fp8_training(rank: int, world: int, backend_id: str) -> dict:
     return results
 
 
-@pytest.mark.parametrize("backend_id, world", [("vmm", 1), ("vmm", 2)])
+# World 2 (time-sliced on one GPU): the gradients cross ranks; the bitwise test above covers world 1.
+@pytest.mark.parametrize("backend_id, world", [("vmm", 2)])
 def test_fp8_layer_trains_on_gpu(backend_id, world, requires_gpus):
     from gpu_backends import dist_backend_for, gpus_needed
     from multirank import run_ranks
