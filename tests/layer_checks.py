@@ -22,7 +22,7 @@ from moe_comm.balancing import expert_counts
 from moe_comm.layer import MoELayer, MoEWeights
 from moe_comm.reference import build_dense_weights, dense_balancing_losses, dense_forward, dense_route
 
-__all__ = ["FFN", "BASE", "TOLERANCE", "rel_err", "gather", "layer_errors", "assert_within"]
+__all__ = ["FFN", "BASE", "TOLERANCE", "rel_err", "gather", "layer_errors", "assert_within", "paired_layer_errors"]
 
 FFN = 24  # a multiple of 8: bf16 rows of 48 bytes, as torch._grouped_mm needs
 # Small shapes so one spawn runs every scenario in a few seconds on a 2-core CI machine;
@@ -37,6 +37,27 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     """max |got - want| / max |want|: scale-free, so one tolerance per dtype fits every tensor."""
     got, want = got.detach().float(), want.detach().float()
     return float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+
+
+def _norm_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.detach().float() - want.detach().float()).norm() / want.detach().float().norm())
+
+
+def paired_layer_errors(layer: MoELayer, baseline: MoELayer, x: torch.Tensor) -> dict:
+    """``layer`` against ``baseline`` (the same weights, e.g. FP8 dispatch against config-dtype dispatch)
+    on ``x`` [T, H], forward and backward of ``mean(out ** 2)``: the relative norm of the difference
+    ``|got - want| / |want|`` of the output (``output``), the input gradient (``input_grad``) and the
+    largest over the parameters' gradients (``weight_grad``)."""
+    outputs, input_grads = [], []
+    for model in (layer, baseline):
+        leaf = x.clone().requires_grad_()
+        out = model(leaf)
+        out.float().square().mean().backward()
+        outputs.append(out)
+        input_grads.append(leaf.grad)
+    return {"output": _norm_err(*outputs), "input_grad": _norm_err(*input_grads),
+            "weight_grad": max(_norm_err(a.grad, b.grad) for a, b in zip(layer.parameters(), baseline.parameters())
+                               if b.grad is not None)}
 
 
 def gather(world_size: int, tensor: torch.Tensor) -> list:

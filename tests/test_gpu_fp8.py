@@ -132,12 +132,9 @@ def test_fp8_dispatch_equals_reference_bitwise(backend_id, world, requires_gpus)
         assert same == [True] * 4, f"rank {rank}: eager, then 3 replays: {same}"
 
 
-def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.float() - want.float()).norm() / want.float().norm()).item()
-
-
 def _rank_fp8_training(rank: int, world: int, backend_id: str) -> dict:
     from gpu_backends import GPU_BACKENDS
+    from layer_checks import paired_layer_errors
 
     backend, section = GPU_BACKENDS[backend_id]
     plain_config = {**FP8_CONFIG, "dispatch_dtype": None}
@@ -171,17 +168,7 @@ def _rank_fp8_training(rank: int, world: int, backend_id: str) -> dict:
         # The layer against the same layer dispatching bf16 rows: output and every gradient.
         x = torch.randn(TOKENS, HIDDEN, generator=gen).to(device, torch.bfloat16)
         layers = [moe_comm.MoELayer(d.config, 256, dispatcher=d, seed=5) for d in (disp, plain)]
-        outputs, input_grads = [], []
-        for layer in layers:
-            leaf = x.clone().requires_grad_()
-            out = layer(leaf)
-            out.float().square().mean().backward()
-            outputs.append(out)
-            input_grads.append(leaf.grad)
-        results["output_rel_err"] = _relative(*outputs)
-        results["input_grad_rel_err"] = _relative(*input_grads)
-        results["weight_grad_rel_err"] = max(_relative(a.grad, b.grad) for a, b in
-                                             zip(layers[0].parameters(), layers[1].parameters()) if b.grad is not None)
+        results["errors"] = paired_layer_errors(*layers, x)
 
         for layer in layers:
             layer.close()
@@ -233,7 +220,6 @@ def test_fp8_layer_trains_on_gpu(backend_id, world, requires_gpus):
         tag = f"rank {rank}: {result}"
         assert result["eager_grad"] and result["graph_grad"], tag
         # e4m3's 3 mantissa bits: a few percent of each norm (bf16 alone is within 1%).
-        for key in ("output_rel_err", "input_grad_rel_err", "weight_grad_rel_err"):
-            assert 0 < result[key] < 0.08, (key, tag)
+        assert all(0 < error < 0.08 for error in result["errors"].values()), tag
         losses = result["losses"]
         assert losses[-1] < 0.9 * losses[0], tag
