@@ -87,13 +87,13 @@ class PlainMoeModel(nn.Module):
         return CausalLMOutput(logits=self.head(x))
 
 
-def build_model(arch: str, num_experts: int = 4, seed: int = 0, layers: int = 2) -> nn.Module:
+def build_model(arch: str, num_experts: int = 4, seed: int = 0, layers: int = 2, hidden: int = 32) -> nn.Module:
     """A tiny float32 model of ``arch`` (one of :data:`ARCHS`) on the CPU, the same on every rank.
 
-    ``layers`` decoder layers (``plain`` always has two).
+    ``layers`` decoder layers and ``hidden`` channels (``plain`` always has two layers of 32).
     """
     torch.manual_seed(seed)
-    common = dict(_COMMON, num_hidden_layers=layers)
+    common = dict(_COMMON, num_hidden_layers=layers, hidden_size=hidden)
     if arch == "qwen3_moe":
         model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
             intermediate_size=48, moe_intermediate_size=16, num_experts=num_experts, **common))
