@@ -115,6 +115,11 @@ class Fp8PackKernels:
         self._hidden = hidden
         self._row_bytes = fp8.packed_row_bytes(hidden)
         self._sms = torch.cuda.get_device_properties(device).multi_processor_count
+        # Prepared parameter arrays: building them per launch costs more host time than the launch
+        # (kernel_params.KernelParams), which eager FP8 dispatch paid on every call.
+        self._quantize_params = kernel_params((), (_P, _I, _P))
+        self._dequantize_params = kernel_params((), (_P, _I, _P))
+        self._pairs_params = kernel_params((), (_P, _P, _I, _P))
 
     def _grid(self, work_items: int, per_block: int) -> int:
         return max(1, min(_cdiv(work_items, per_block), 8 * self._sms))
@@ -125,7 +130,8 @@ class Fp8PackKernels:
         lanes = 128 // (16 // x.element_size())  # one group of lanes per 128-channel block
         blocks = x.shape[0] * (self._hidden // 128)
         grid = self._grid(blocks * lanes, self._THREADS)
-        self._quantize_pack.launch(grid, self._THREADS, ((x.data_ptr(), _P), (x.shape[0], _I), (packed.data_ptr(), _P)))
+        self._quantize_pack.launch(grid, self._THREADS,
+                                   self._quantize_params.fill((x.data_ptr(), x.shape[0], packed.data_ptr())))
         return packed
 
     def dequantize_rows(self, x_fp8: torch.Tensor) -> torch.Tensor:
@@ -134,15 +140,16 @@ class Fp8PackKernels:
         rows = x_fp8.shape[0]
         out = torch.empty((rows, self._hidden), dtype=self._dtype, device=self._device)
         grid = self._grid(rows * self._hidden * out.element_size() // 16, self._THREADS)
-        self._dequantize_rows.launch(grid, self._THREADS, ((x_fp8.data_ptr(), _P), (rows, _I), (out.data_ptr(), _P)))
+        self._dequantize_rows.launch(grid, self._THREADS,
+                                     self._dequantize_params.fill((x_fp8.data_ptr(), rows, out.data_ptr())))
         return out
 
     def pack_pairs(self, x_fp8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         """``x_fp8 [T, H]`` e4m3 and ``scales [T, H/128]`` float32 -> packed rows ``[T, packed_row_bytes(H)]`` uint8."""
         packed = torch.empty((x_fp8.shape[0], self._row_bytes), dtype=torch.uint8, device=self._device)
         grid = self._grid(x_fp8.shape[0] * self._row_bytes // 4, self._THREADS)
-        self._pack_pairs.launch(grid, self._THREADS, ((x_fp8.data_ptr(), _P), (scales.data_ptr(), _P),
-                                                      (x_fp8.shape[0], _I), (packed.data_ptr(), _P)))
+        self._pack_pairs.launch(grid, self._THREADS, self._pairs_params.fill(
+            (x_fp8.data_ptr(), scales.data_ptr(), x_fp8.shape[0], packed.data_ptr())))
         return packed
 
 

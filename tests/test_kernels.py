@@ -114,3 +114,26 @@ def test_sm_budget_bounds_every_grid(monkeypatch):
     assert grids[("dispatch", "dispatch")] == [3] and grids[("combine", "combine")] == [3]
     senders = recorders[("dispatch", "dispatch")].values[0][len(kernels.CommArgs.__dataclass_fields__) + 10]
     assert 1 <= senders <= 3
+
+
+def test_fp8_launchers_pass_the_parameters_fp8_cu_declares(monkeypatch):
+    from types import SimpleNamespace
+
+    from moe_comm import fp8
+
+    recorders = {}
+    monkeypatch.setattr(driver, "load_function", lambda device, name, entry, defines={}, **_:
+                        recorders.setdefault((name, entry), _Recorder(name, entry)))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=4))
+    launchers = kernels.Fp8PackKernels(torch.device("cpu"), torch.bfloat16, 256)
+    packed = launchers.quantize_pack(torch.zeros(3, 256, dtype=torch.bfloat16))
+    launchers.quantize_pack(torch.zeros(5, 256, dtype=torch.bfloat16))
+    pairs = (torch.zeros(3, 256, dtype=torch.float8_e4m3fn), torch.zeros(3, 2))
+    launchers.pack_pairs(*pairs)
+    launchers.dequantize_rows(fp8.unpack(packed, 256)[0])
+    source = asset_dir("csrc").joinpath("fp8.cu").read_text()
+    for entry, calls in (("quantize_pack", 2), ("pack_pairs", 1), ("dequantize_rows", 1)):
+        assert recorders[("fp8", entry)].launches == [_signature(source, entry)] * calls, entry
+    # The prepared parameters are refilled per launch: the row counts of both calls.
+    assert [values[1] for values in recorders[("fp8", "quantize_pack")].values] == [3, 5]
+    assert recorders[("fp8", "pack_pairs")].values[0][:3] == [pairs[0].data_ptr(), pairs[1].data_ptr(), 3]
