@@ -3,10 +3,11 @@
 ``torch.compile`` traces Python into a graph; the host-side state of a call (symmetric buffers,
 kernels, launch parameters, epochs) must stay out of it. Each op is opaque to the compiler: it
 takes tensors and the integer id of a ``Dispatcher`` (a constant of the graph) and looks up that
-dispatcher's backend in a registry here. Fake implementations give every output's shape and
-dtype from the backend's config alone, and autograd is registered on the ops with the same
-backward math as the eager path (:mod:`moe_comm.autograd`), so a compiled model differentiates
-through dispatch and combine.
+dispatcher's backend (and an FP8 dispatcher's :class:`~moe_comm.fp8_codec.Fp8Codec`) in a
+registry here. Fake implementations give every output's shape and dtype from the backend's config
+alone, and autograd is registered on the ops with the same backward math as the eager path
+(:mod:`moe_comm.autograd`), so a compiled model differentiates through dispatch and combine, and
+through FP8 dispatch's dequantized rows (``dispatch_fp8``, ``dequantize_fp8``: straight through).
 
 Eager calls do not come here: ``Dispatcher`` calls its backend directly unless
 ``torch.compiler.is_compiling()``, because an op call costs host time (the dispatcher's
