@@ -242,7 +242,8 @@ class Config:
     dispatch_dtype: ``null`` (dispatch moves rows in ``dtype``) or ``float8_e4m3fn``: dispatch
         moves e4m3 rows with one float32 scale per 128 channels (:mod:`moe_comm.fp8`; ``hidden`` a
         multiple of 128) and returns ``out.x`` in e4m3 with ``out.x_scales``; combine stays in
-        ``dtype``.
+        ``dtype``, and gradients pass straight through the quantization in ``dtype``
+        (``Dispatcher.dequantize``).
     dispatch_round_scale: with ``float8_e4m3fn``, power-of-two (UE8M0) scales, as DeepEP's
         ``round_scale``.
     timeout_s: longest wait on another rank before the wait gives up and reports the peer
