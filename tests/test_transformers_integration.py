@@ -146,9 +146,10 @@ def test_bad_model_is_refused_with_its_name(make, words):
         assert word in str(info.value), str(info.value)
 
 
-def _rank_compiled(rank: int, world: int) -> dict:
-    model = build_model("gpt_oss")
-    expert_parallel(model, backend="reference", max_tokens_per_rank=MAX_TOKENS)
+def _rank_compiled(rank: int, world: int, dispatch_dtype) -> dict:
+    # FP8 dispatch scales blocks of 128 channels: a model that wide.
+    model = build_model("gpt_oss", hidden=32 if dispatch_dtype is None else 128)
+    expert_parallel(model, backend="reference", max_tokens_per_rank=MAX_TOKENS, dispatch_dtype=dispatch_dtype)
     input_ids = torch.randint(0, VOCAB, TOKENS, generator=torch.Generator().manual_seed(rank))
     explain = torch._dynamo.explain(model)(input_ids)
     results = {"graphs": explain.graph_count, "breaks": explain.graph_break_count}
@@ -161,7 +162,10 @@ def _rank_compiled(rank: int, world: int) -> dict:
     return results
 
 
-def test_expert_parallel_model_compiles_into_one_graph():
-    for rank, result in enumerate(run_ranks(_rank_compiled, WORLD, timeout_s=300)):
+@pytest.mark.parametrize("dispatch_dtype", [None, "float8_e4m3fn"])
+def test_expert_parallel_model_compiles_into_one_graph(dispatch_dtype):
+    # The traced graph run without code generation (aot_eager): the ops and their autograd exactly,
+    # FP8 dispatch's too (the same e4m3 bytes, the same straight-through backward).
+    for rank, result in enumerate(run_ranks(_rank_compiled, WORLD, dispatch_dtype, timeout_s=300)):
         assert (result["graphs"], result["breaks"]) == (1, 0), f"rank {rank}: {result}"
         assert result["max_diff"] == 0.0, f"rank {rank}: {result}"
