@@ -55,9 +55,9 @@ class DispatchOutput:
         float32, one scale per 128 channels of each row of ``x`` (:mod:`moe_comm.fp8`; zeros on the
         padding rows); ``x`` and ``x_scales`` are views of one allocation of packed rows, so neither
         is contiguous (row stride ``moe_comm.fp8.packed_row_bytes(H)`` bytes). None otherwise.
-    source: with FP8 dispatch of an ``x`` that requires grad, that ``x``: :meth:`Dispatcher.dequantize`
-        makes the rows differentiable with respect to it (``x`` e4m3 itself carries no gradient).
-        None otherwise.
+    quantized_from: with FP8 dispatch of a config-dtype ``x`` that requires grad, that ``x``:
+        :meth:`Dispatcher.dequantize` makes the rows differentiable with respect to it (``x`` e4m3
+        itself carries no gradient). None otherwise.
     """
 
     x: torch.Tensor
@@ -65,7 +65,7 @@ class DispatchOutput:
     tokens_per_expert: torch.Tensor
     handle: DispatchHandle
     x_scales: Optional[torch.Tensor] = None
-    source: Optional[torch.Tensor] = None
+    quantized_from: Optional[torch.Tensor] = None
 
 
 def _describe(name: str, tensor: torch.Tensor) -> str:
@@ -244,7 +244,7 @@ class Dispatcher:
             num_tokens = x.shape[0]
             x_scales = None
         self._check_routing(num_tokens, topk_idx, topk_weights)
-        source = x if x_scales is None and torch.is_grad_enabled() and x.requires_grad else None
+        quantized_from = x if x_scales is None and torch.is_grad_enabled() and x.requires_grad else None
         if torch.compiler.is_compiling():
             result = ops.dispatch_fp8(self._id, x.detach(), x_scales, topk_idx, topk_weights.detach())
         else:
@@ -254,7 +254,8 @@ class Dispatcher:
         handle = DispatchHandle(self._id, result.routing, topk_weights)
         if cfg.check_every_step:
             self.check()
-        return DispatchOutput(out_x, result.expert_offsets, result.tokens_per_expert, handle, out_scales, source)
+        return DispatchOutput(out_x, result.expert_offsets, result.tokens_per_expert, handle, out_scales,
+                              quantized_from)
 
     def dequantize(self, out: DispatchOutput) -> torch.Tensor:
         """The rows of a dispatch output in the config dtype: ``[capacity_rows, H]``.
@@ -263,20 +264,20 @@ class Dispatcher:
         dtype (:func:`moe_comm.dequantize`, in one pass on GPUs of compute capability 8.9 or newer;
         padding rows give zeros); otherwise ``out.x`` itself. For experts that do not take FP8.
 
-        Differentiable with respect to the dispatched ``x`` when it required grad (``out.source``):
+        Differentiable with respect to the dispatched ``x`` when it required grad (``out.quantized_from``):
         straight through the quantization, so the backward is a plain dispatch's, an unweighted
         combine of the rows' gradients in the config dtype (collective, like every backward here).
         """
         if out.x_scales is None:
             return out.x
-        source = out.source if torch.is_grad_enabled() else None
+        quantized_from = out.quantized_from if torch.is_grad_enabled() else None
         if torch.compiler.is_compiling():
-            return ops.dequantize_fp8(self._id, out.x, out.x_scales, source, out.handle.routing)
+            return ops.dequantize_fp8(self._id, out.x, out.x_scales, quantized_from, out.handle.routing)
         with torch.no_grad():
             rows = self._fp8.dequantize(out.x, out.x_scales)
-        if source is None:
+        if quantized_from is None:
             return rows
-        return straight_through_rows(self._live_backend(), source, rows, out.handle.routing)
+        return straight_through_rows(self._live_backend(), quantized_from, rows, out.handle.routing)
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Bring expert outputs back to their tokens and sum them with the router weights.

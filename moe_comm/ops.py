@@ -158,16 +158,16 @@ def dispatch_fp8(dispatcher_id: int, x: Tensor, x_scales: Optional[Tensor], topk
 
 @torch.library.custom_op("moe_comm::dequantize_fp8", mutates_args=())
 def _dequantize_fp8_op(
-    x_fp8: Tensor, x_scales: Tensor, source: Optional[Tensor], send_mask: Tensor, dest_rank: Tensor,
+    x_fp8: Tensor, x_scales: Tensor, quantized_from: Optional[Tensor], send_mask: Tensor, dest_rank: Tensor,
     recv_pos: Tensor, recv_weight: Tensor, dispatcher_id: int,
 ) -> Tensor:
-    """``[N, H]`` config dtype: the FP8 rows dequantized. ``source``, the ``x`` an FP8 dispatch quantized
+    """``[N, H]`` config dtype: the FP8 rows dequantized. ``quantized_from``, the ``x`` an FP8 dispatch quantized
     along the routing, is an input only so autograd can reach it (straight through the quantization)."""
     return _fp8_codecs[dispatcher_id].dequantize(x_fp8, x_scales)
 
 
 @_dequantize_fp8_op.register_fake
-def _dequantize_fp8_fake(x_fp8, x_scales, source, send_mask, dest_rank, recv_pos, recv_weight, dispatcher_id):
+def _dequantize_fp8_fake(x_fp8, x_scales, quantized_from, send_mask, dest_rank, recv_pos, recv_weight, dispatcher_id):
     return x_fp8.new_empty(tuple(x_fp8.shape), dtype=_backend(dispatcher_id).config.torch_dtype)
 
 
@@ -178,20 +178,20 @@ def _dequantize_fp8_setup(ctx, inputs, output) -> None:
 
 def _dequantize_fp8_backward(ctx, grad_rows):
     # Straight through: the rows' gradients go back to their tokens as a config-dtype dispatch's do.
-    grad_source = torch.ops.moe_comm.combine(grad_rows.contiguous(), None, *ctx.saved_tensors, ctx.dispatcher_id,
+    grad_x = torch.ops.moe_comm.combine(grad_rows.contiguous(), None, *ctx.saved_tensors, ctx.dispatcher_id,
                                              False)
-    return None, None, grad_source, None, None, None, None, None
+    return None, None, grad_x, None, None, None, None, None
 
 
 torch.library.register_autograd("moe_comm::dequantize_fp8", _dequantize_fp8_backward,
                                 setup_context=_dequantize_fp8_setup)
 
 
-def dequantize_fp8(dispatcher_id: int, x_fp8: Tensor, x_scales: Tensor, source: Optional[Tensor],
+def dequantize_fp8(dispatcher_id: int, x_fp8: Tensor, x_scales: Tensor, quantized_from: Optional[Tensor],
                    routing: Routing) -> Tensor:
     """The rows of an FP8 dispatch output in the config dtype through the custom op; differentiable
-    with respect to ``source`` (None: not differentiable)."""
-    return torch.ops.moe_comm.dequantize_fp8(x_fp8, x_scales, source, routing.send_mask, routing.dest_rank,
+    with respect to ``quantized_from`` (None: not differentiable)."""
+    return torch.ops.moe_comm.dequantize_fp8(x_fp8, x_scales, quantized_from, routing.send_mask, routing.dest_rank,
                                              routing.recv_pos, routing.recv_weight, dispatcher_id)
 
 

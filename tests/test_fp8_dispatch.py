@@ -105,7 +105,7 @@ def _rank_straight_through(rank: int, world: int) -> dict:
             (rows.float() * upstream.float()).sum().backward()
             grads.append(leaf.grad)
             if dispatcher is disp:
-                results["source_kept"] = out.source is leaf and out.x.grad_fn is None
+                results["quantized_from_kept"] = out.quantized_from is leaf and out.x.grad_fn is None
                 results["rows_track_grad"] = rows.requires_grad
                 with torch.no_grad():
                     results["no_grad_rows_plain"] = not disp.dequantize(out).requires_grad
@@ -113,9 +113,9 @@ def _rank_straight_through(rank: int, world: int) -> dict:
         results["grad_equal"] = torch.equal(grads[0], grads[1])
         results["grad_nonzero"] = bool(grads[0].abs().sum() > 0)
         pair = disp.dispatch(moe_comm.quantize(x), idx, weights)
-        results["pair_no_source"] = pair.source is None
+        results["pair_not_differentiable"] = pair.quantized_from is None
         with torch.no_grad():
-            results["no_grad_no_source"] = disp.dispatch(x.clone().requires_grad_(), idx, weights).source is None
+            results["no_grad_not_differentiable"] = disp.dispatch(x.clone().requires_grad_(), idx, weights).quantized_from is None
     return results
 
 
