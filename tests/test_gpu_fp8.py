@@ -219,7 +219,7 @@ def test_fp8_layer_trains_on_gpu(backend_id, world, requires_gpus):
     for rank, result in enumerate(per_rank):
         tag = f"rank {rank}: {result}"
         assert result["eager_grad"] and result["graph_grad"], tag
-        # e4m3's 3 mantissa bits: a few percent of each norm (bf16 alone is within 1%).
+        # e4m3's 3 mantissa bits: a few percent of each norm (1.6-5.3% in benchmarks/bench_fp8_layer.py).
         assert all(0 < error < 0.08 for error in result["errors"].values()), tag
         losses = result["losses"]
         assert losses[-1] < 0.9 * losses[0], tag
