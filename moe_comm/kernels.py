@@ -32,6 +32,7 @@ __all__ = [
     "CommArgs",
     "RoutingAddresses",
     "kernel_defines",
+    "packed_dispatch_defines",
     "compile_for_config",
     "DispatchKernels",
     "CombineKernels",
@@ -67,6 +68,12 @@ def kernel_defines(dtype: torch.dtype, hidden: int, topk: int, *, put_transport:
     return defines
 
 
+def packed_dispatch_defines(hidden: int, topk: int, *, put_transport: bool = False) -> dict:
+    """The dispatch build FP8 dispatch moves packed rows with (``moe_comm.fp8.pack``): the same kernels
+    for opaque rows of ``packed_row_bytes(hidden)`` bytes, spelled as bf16 rows of half as many elements."""
+    return kernel_defines(torch.bfloat16, fp8.packed_row_bytes(hidden) // 2, topk, put_transport=put_transport)
+
+
 def compile_for_config(config, arch: str) -> list:
     """Compile (or find cached) both kernel files for ``arch`` as ``config`` runs them; returns the cubin paths.
 
@@ -79,8 +86,7 @@ def compile_for_config(config, arch: str) -> list:
     toolchain = nvshmem_build.toolchain() if put else jit.Toolchain()
     builds = [("dispatch", defines), ("combine", defines)]
     if config.dispatch_dtype is not None:  # FP8 dispatch's build for packed rows (see backends/device.py)
-        builds.append(("dispatch", kernel_defines(torch.bfloat16, fp8.packed_row_bytes(config.hidden) // 2,
-                                                  config.topk, put_transport=put)))
+        builds.append(("dispatch", packed_dispatch_defines(config.hidden, config.topk, put_transport=put)))
         builds.append(("fp8", fp8_defines(config.torch_dtype, config.hidden)))
     return [jit.compile_source(name, arch=arch, defines=row_defines, toolchain=toolchain) for name, row_defines in builds]
 

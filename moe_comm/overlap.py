@@ -4,10 +4,11 @@ With ``sm_budget`` set, dispatch and combine run on that many SMs; a GEMM issued
 another stream must leave those SMs free, or its blocks (which fill whole SMs, as ours do) keep
 the communication waiting until the GEMM ends. torch's default cuBLAS path for plain matmuls does
 not honour torch's SM carveout; its cuBLASLt path does. Measured on one H200 (world 1, T=4096,
-H=7168, top-8 of 256, bf16 GEMM 8192^3 beside dispatch+combine at ``sm_budget: 24``): without a
-carveout 29% of the communication was hidden; with cuBLASLt and a carveout of 24 SMs both took
-1889 us against 2511 us one after the other on the whole device (the GEMM alone: 1414 us on every
-SM, 1747 us on the 108 it is left), 57% of the 1097 us of communication hidden.
+H=7168, top-8 of 256, bf16 GEMM 8192^3 beside dispatch+combine at ``sm_budget: 24``,
+``benchmarks/results/1xH200-sm-budget-1efce04.md``): without a carveout 25-29% of the
+communication was hidden; with cuBLASLt and a carveout of 24 SMs both took 1802 us against
+1012 + 1425 us one after the other on the whole device (the GEMM alone on the 108 SMs it is
+left: 1739 us), 63% of the communication hidden (94% against that same GEMM run after it).
 """
 
 from __future__ import annotations

@@ -230,11 +230,9 @@ class DeviceBackend(Backend):
         # kernels for rows of that many bytes, in the same (larger) slabs, with the same epochs.
         self._packed_dispatch_kernels = None
         if cfg.dispatch_dtype is not None:
-            packed_bytes = fp8.packed_row_bytes(cfg.hidden)
-            packed_defines = kernels.kernel_defines(torch.bfloat16, packed_bytes // 2, cfg.topk,
-                                                    put_transport=self._put_transport)
             self._packed_dispatch_kernels = dispatch_kernels(
-                packed_defines, dataclasses.replace(self.regions, row_bytes=packed_bytes))
+                kernels.packed_dispatch_defines(cfg.hidden, cfg.topk, put_transport=self._put_transport),
+                dataclasses.replace(self.regions, row_bytes=fp8.packed_row_bytes(cfg.hidden)))
         self._combine_kernels = kernels.CombineKernels(
             self.device, defines, args, self.regions, capacity_rows=self.capacity_rows, num_sms=cfg.num_sms,
             grid_sms=grid_sms, toolchain=toolchain,
@@ -301,9 +299,9 @@ class DeviceBackend(Backend):
 
     def return_entry_values(self, row_vector: torch.Tensor, routing: Routing) -> torch.Tensor:
         out = torch.empty((routing.num_tokens, self.config.topk), dtype=torch.float32, device=self.device)
-        k = self._combine_kernels
-        k.values_send(row_vector.contiguous(), _addresses(routing))
-        k.values_recv(_addresses(routing), out)
+        k, addresses = self._combine_kernels, _addresses(routing)
+        k.values_send(row_vector.contiguous(), addresses)
+        k.values_recv(addresses, out)
         return out
 
     # ------------------------------------------------------------------ lifetime
