@@ -69,14 +69,15 @@ __device__ __forceinline__ void accumulate(float (&acc)[VPL][ELEMS_PER_VEC], con
 __device__ __forceinline__ void send_partials(RowBatch& batch, const i64* s_peer, int rank, int world, int max_tokens_per_rank,
                                               u64 epoch, i64* status, i64 timeout_ns, i64 off_ret_x,
                                               i64 off_stage_x, const void* y, int capacity_rows,
-                                              const i32* recv_pos, const float* recv_weight, int weighted) {
+                                              const i32* recv_pos, const float* recv_weight, int weighted,
+                                              bool wait_for_acks) {
     typedef RowParts<COMBINE_SEND_VPL> Chunks;
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int warps = blockDim.x >> 5;
     const u8* rows = static_cast<const u8*>(y);
     const BatchShape shape = batch_shape(static_cast<i64>(world) * max_tokens_per_rank, gridDim.x);
-    bool acked = false;
+    bool acked = !wait_for_acks;
     for (i64 q = blockIdx.x; q < shape.count; q += gridDim.x) {
         const int listed = block_load_batch(batch, recv_pos, weighted ? recv_weight : nullptr, shape, q, -2);
         for (int unit = warp; unit < listed * Chunks::kPerRow; unit += warps) {
@@ -191,32 +192,38 @@ __device__ __forceinline__ void sum_partials(const i64* s_peer, int rank, int wo
 // One block per SM (gridDim.x <= SMs: blocks wait for the arrival the last of them signals).
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) combine(
     const i64* __restrict__ peers, int rank, int world, int max_tokens_per_rank, u64* state, i64* status, i64 timeout_ns,
-    i64 off_ret_x, i64 off_stage_x, int capacity_rows,
+    i64 off_ret_x, i64 copy_stride, i64 off_stage_x, int capacity_rows,
     const void* __restrict__ y, const i32* __restrict__ recv_pos, const float* __restrict__ recv_weight, int weighted,
     const u8* __restrict__ send_mask, int num_tokens, void* __restrict__ z) {
     __shared__ i64 s_peer[MAX_WORLD];
     __shared__ RowBatch batch;
-    const u64 epoch = begin_call(s_peer, peers, world, state, CH_TO_SOURCE);
+    const Call call = begin_call(s_peer, peers, world, state, CH_TO_SOURCE, true, SLOT_COMBINE_RECV, copy_stride);
+    const u64 epoch = call.epoch;
+    off_ret_x += slab_copy(epoch, copy_stride);
     send_partials(batch, s_peer, rank, world, max_tokens_per_rank, epoch, status, timeout_ns, off_ret_x, off_stage_x, y,
-                  capacity_rows, recv_pos, recv_weight, weighted);
+                  capacity_rows, recv_pos, recv_weight, weighted, acks_needed(copy_stride));
     if (last_block_done(state + STATE_DONE + SLOT_COMBINE_SEND, gridDim.x)) {
         signal_every_rank(s_peer, rank, world, CH_TO_SOURCE, FLAG_ARRIVAL, epoch, false, 0);
     }
     block_wait_flags(s_peer[rank], world, CH_TO_SOURCE, FLAG_ARRIVAL, epoch, status, TIMEOUT_TO_SOURCE_ARRIVAL,
                      timeout_ns);
     sum_partials(s_peer, rank, world, max_tokens_per_rank, off_ret_x, send_mask, num_tokens, z);
-    acknowledge_and_advance(state, SLOT_COMBINE_RECV, s_peer, rank, world, CH_TO_SOURCE, epoch);
+    end_call(call, state, SLOT_COMBINE_RECV, s_peer, rank, world, CH_TO_SOURCE, copy_stride);
 }
 
 // ---------------------------------------------------------------------------- values_send
 
 extern "C" __global__ void __launch_bounds__(VALUES_THREADS) values_send(
     const i64* __restrict__ peers, int rank, int world, int max_tokens_per_rank, u64* state, i64* status, i64 timeout_ns,
-    i64 off_ret_vals, const float* __restrict__ row_vector, int capacity_rows, const i32* __restrict__ recv_pos) {
+    i64 off_ret_vals, i64 copy_stride, const float* __restrict__ row_vector, int capacity_rows,
+    const i32* __restrict__ recv_pos) {
     __shared__ i64 s_peer[MAX_WORLD];
-    const u64 epoch = begin_call(s_peer, peers, world, state, CH_TO_SOURCE);
-    block_wait_flags(s_peer[rank], world, CH_TO_SOURCE, FLAG_ACK, epoch - 1, status, TIMEOUT_TO_SOURCE_ACK,
-                     timeout_ns);
+    const u64 epoch = begin_call(s_peer, peers, world, state, CH_TO_SOURCE, false, 0, copy_stride).epoch;
+    off_ret_vals += slab_copy(epoch, copy_stride);
+    if (acks_needed(copy_stride)) {
+        block_wait_flags(s_peer[rank], world, CH_TO_SOURCE, FLAG_ACK, epoch - 1, status, TIMEOUT_TO_SOURCE_ACK,
+                         timeout_ns);
+    }
 
     const i64 per_slab = static_cast<i64>(max_tokens_per_rank) * TOPK;
     const i64 total = static_cast<i64>(world) * per_slab;
@@ -239,9 +246,11 @@ extern "C" __global__ void __launch_bounds__(VALUES_THREADS) values_send(
 
 extern "C" __global__ void __launch_bounds__(VALUES_THREADS) values_recv(
     const i64* __restrict__ peers, int rank, int world, int max_tokens_per_rank, u64* state, i64* status, i64 timeout_ns,
-    i64 off_ret_vals, const i32* __restrict__ dest_rank, int num_tokens, float* __restrict__ out) {
+    i64 off_ret_vals, i64 copy_stride, const i32* __restrict__ dest_rank, int num_tokens, float* __restrict__ out) {
     __shared__ i64 s_peer[MAX_WORLD];
-    const u64 epoch = begin_call(s_peer, peers, world, state, CH_TO_SOURCE);
+    const Call call = begin_call(s_peer, peers, world, state, CH_TO_SOURCE, true, SLOT_VALUES_RECV, copy_stride);
+    const u64 epoch = call.epoch;
+    off_ret_vals += slab_copy(epoch, copy_stride);
     block_wait_flags(s_peer[rank], world, CH_TO_SOURCE, FLAG_ARRIVAL, epoch, status, TIMEOUT_TO_SOURCE_ARRIVAL,
                      timeout_ns);
 
@@ -254,5 +263,5 @@ extern "C" __global__ void __launch_bounds__(VALUES_THREADS) values_recv(
         out[i] = r >= 0 && r < world ? returned[r * per_slab + i] : 0.0f;
     }
 
-    acknowledge_and_advance(state, SLOT_VALUES_RECV, s_peer, rank, world, CH_TO_SOURCE, epoch);
+    end_call(call, state, SLOT_VALUES_RECV, s_peer, rank, world, CH_TO_SOURCE, copy_stride);
 }

@@ -19,10 +19,17 @@
 //   * flags        u64 at offset 0 of every rank's symmetric allocation:
 //                  flags[channel][kind][peer] (flag_at), channel CH_TO_DEST (dispatch, redispatch)
 //                  or CH_TO_SOURCE (combine, return_entry_values); kind FLAG_ARRIVAL (written by
-//                  sender `peer`), FLAG_COUNT (T of sender `peer`), FLAG_ACK (written by receiver
-//                  `peer` once it finished reading what this rank sent it), FLAG_META (dispatch:
-//                  sender `peer`'s metadata rows and count have landed), FLAG_CHUNK + c (chunk c of
-//                  dispatch's rows, c < MAX_CHUNKS).
+//                  sender `peer`), FLAG_COUNT + (epoch & 1) (T of sender `peer`, count_flag),
+//                  FLAG_ACK (written by receiver `peer` once it finished reading what this rank
+//                  sent it; one slab copy only), FLAG_META (dispatch: sender `peer`'s metadata rows
+//                  and count have landed), FLAG_CHUNK + c (chunk c of dispatch's rows, c < MAX_CHUNKS).
+//   * slab copies  the receive slabs (meta, ret_vals, recv_x, ret_x) exist once or twice
+//                  (Config.slab_copies), copy_stride bytes apart (0: once); epoch e uses copy e & 1
+//                  (slab_copy). With two copies a sender writing at epoch e overwrites only what its
+//                  peer read at e - 2, and the peer finished that call before it signalled anything
+//                  of e - 1, which this rank waited for before its call at e - 1 ended: so no ack is
+//                  sent or awaited (acks_needed). With one copy every sender first waits for the
+//                  peer's ack of e - 1.
 //   * state        u64 [STATE_WORDS], local (not symmetric): [STATE_EPOCH + channel] epoch of the
 //                  last completed operation on that channel; [STATE_DONE + slot] done-counters of
 //                  the last-block pattern (SLOT_*); [STATE_CHUNK_DONE + c] those of dispatch's chunks.
@@ -249,6 +256,14 @@ __device__ __forceinline__ void st_relaxed_sys(u64* p, u64 v) {
     asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
+__device__ __forceinline__ u64 atom_add_release_gpu(u64* p, u64 v) {
+    u64 old;
+    asm volatile("atom.release.gpu.global.add.u64 %0, [%1], %2;" : "=l"(old) : "l"(p), "l"(v) : "memory");
+    return old;
+}
+
+__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+
 __device__ __forceinline__ u64 atom_add_acq_rel_sys(u64* p, u64 v) {
     u64 old;
     asm volatile("atom.acq_rel.sys.global.add.u64 %0, [%1], %2;" : "=l"(old) : "l"(p), "l"(v) : "memory");
@@ -259,6 +274,21 @@ __device__ __forceinline__ u64 atom_add_acq_rel_sys(u64* p, u64 v) {
 __device__ __forceinline__ u64* flag_at(i64 base, int world, int channel, int kind, int peer) {
     return reinterpret_cast<u64*>(base) + (channel * FLAG_KINDS + kind) * world + peer;
 }
+
+// Flags[channel][FLAG_COUNT + (epoch & 1)][peer]: a sender's T at `epoch`, one word per parity, so
+// a sender one call ahead never overwrites the count its peer may still read.
+__device__ __forceinline__ u64* count_flag(i64 base, int world, int channel, int peer, u64 epoch) {
+    return flag_at(base, world, channel, FLAG_COUNT + static_cast<int>(epoch & 1ull), peer);
+}
+
+// Bytes from copy 0 of a receive slab to the copy `epoch` uses (see "slab copies" above).
+__device__ __forceinline__ i64 slab_copy(u64 epoch, i64 copy_stride) {
+    return static_cast<i64>(epoch & 1ull) * copy_stride;
+}
+
+// With one slab copy a sender must wait for the peer's ack of the previous epoch; with two the
+// parity makes the wait unnecessary.
+__device__ __forceinline__ bool acks_needed(i64 copy_stride) { return copy_stride == 0; }
 
 // ------------------------------------------------------------------------------ status word
 
@@ -427,40 +457,67 @@ __device__ __forceinline__ void put_unit(u8* dst, const u8* staged, int chunk, i
 }
 #endif
 
-// The last block's signal of a kernel that sent something on `channel`: for every rank r,
-// count[channel][rank] = count in r's flags when with_count, then flags[channel][kind][rank] =
-// epoch (a release: everything this rank wrote to r before is visible once r sees the epoch).
+// The last block's signal of a kernel that sent something on `channel`: for every rank r, the
+// count word of `epoch`'s parity (count_flag) = count in r's flags when with_count, then
+// flags[channel][kind][rank] = epoch (a release: everything this rank wrote to r before is visible
+// once r sees the epoch).
 __device__ __forceinline__ void signal_every_rank(const i64* s_peer, int rank, int world, int channel, int kind,
                                                   u64 epoch, bool with_count, u64 count) {
     for (int r = threadIdx.x; r < world; r += blockDim.x) {
 #if PUT_TRANSPORT
-        if (with_count) nvshmem_uint64_p(flag_at(s_peer[r], world, channel, FLAG_COUNT, rank), count, r);
+        if (with_count) nvshmem_uint64_p(count_flag(s_peer[r], world, channel, rank, epoch), count, r);
         nvshmem_fence();
         nvshmem_uint64_p(flag_at(s_peer[r], world, channel, kind, rank), epoch, r);
 #else
-        if (with_count) st_relaxed_sys(flag_at(s_peer[r], world, channel, FLAG_COUNT, rank), count);
+        if (with_count) st_relaxed_sys(count_flag(s_peer[r], world, channel, rank, epoch), count);
         st_release_sys(flag_at(s_peer[r], world, channel, kind, rank), epoch);
 #endif
     }
 }
 
-// The end of a receiving kernel (every block calls it): the last block acknowledges `channel`
-// to every rank (their slabs here may be overwritten) and records `epoch` as completed.
-__device__ __forceinline__ void acknowledge_and_advance(u64* state, int slot, const i64* s_peer, int rank,
-                                                        int world, int channel, u64 epoch) {
-    if (last_block_done(state + STATE_DONE + slot, gridDim.x)) {
-        signal_every_rank(s_peer, rank, world, channel, FLAG_ACK, epoch, false, 0);
-        if (threadIdx.x == 0) state[STATE_EPOCH + channel] = epoch;
-    }
-}
+// One call on a channel, as every block of its kernel sees it.
+struct Call {
+    u64 epoch;        // the last completed epoch + 1
+    u64 blocks_before;  // thread 0, kernels that end the call with two slab copies: blocks counted in before this one
+};
 
 // Block-wide start of every kernel: the peer base addresses into shared memory s_peer [world]
-// (visible to every thread on return) and this call's epoch on `channel` (the last completed + 1).
-__device__ __forceinline__ u64 begin_call(i64* s_peer, const i64* peers, int world, const u64* state, int channel) {
+// (visible to every thread on return) and this call's epoch on `channel`. With two slab copies a
+// kernel that ends the call (`ends_call`) counts its blocks in at state[STATE_DONE + slot] once
+// every thread of the block has read the epoch, so end_call finds the last block without a
+// counter on its own path (the atomic's latency hides behind the kernel's work).
+__device__ __forceinline__ Call begin_call(i64* s_peer, const i64* peers, int world, u64* state, int channel,
+                                           bool ends_call, int slot, i64 copy_stride) {
     for (int p = threadIdx.x; p < world; p += blockDim.x) s_peer[p] = peers[p];
-    const u64 epoch = state[STATE_EPOCH + channel] + 1;
+    Call call;
+    call.epoch = state[STATE_EPOCH + channel] + 1;
+    call.blocks_before = 0;
     __syncthreads();
-    return epoch;
+    if (ends_call && !acks_needed(copy_stride) && threadIdx.x == 0) {
+        // Release: the block's reads of the epoch (ordered by the barrier) come before the count.
+        // No acquire here: it would hold the block until the atomic returns.
+        call.blocks_before = atom_add_release_gpu(state + STATE_DONE + slot, 1ull);
+    }
+    return call;
+}
+
+// The end of the kernel that ends a call on `channel` (every block calls it, after begin_call with
+// ends_call). With one slab copy the last block done acknowledges `channel` to every rank (their
+// slabs here may be overwritten); with two nothing is signalled, and the last block to have begun
+// resets the counter. Either way that block records the epoch as completed: every block read it
+// before counting itself in, and the next kernel on the stream starts after this one ends.
+__device__ __forceinline__ void end_call(const Call& call, u64* state, int slot, const i64* s_peer, int rank,
+                                         int world, int channel, i64 copy_stride) {
+    if (acks_needed(copy_stride)) {
+        if (last_block_done(state + STATE_DONE + slot, gridDim.x)) {
+            signal_every_rank(s_peer, rank, world, channel, FLAG_ACK, call.epoch, false, 0);
+            if (threadIdx.x == 0) state[STATE_EPOCH + channel] = call.epoch;
+        }
+    } else if (threadIdx.x == 0 && call.blocks_before == static_cast<u64>(gridDim.x) - 1) {
+        fence_acq_rel_gpu();  // the acquire the count left out: every block's read precedes the store
+        state[STATE_DONE + slot] = 0;
+        state[STATE_EPOCH + channel] = call.epoch;
+    }
 }
 
 // Warp-level split of a row into chunks of 32 * VPL vectors (VPL vectors per lane), so several

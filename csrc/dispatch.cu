@@ -3,6 +3,13 @@
 // Protocol: channel 0 ("to destination"). Each call uses epoch e = state.epoch[0] + 1, read from
 // device memory by every kernel (never baked into a graph), so a graph replay or an eager call
 // always runs at the next epoch. Every rank runs the same sequence of operations, so epochs agree.
+// The slabs (recv_meta, recv_x) and the count words exist twice, by epoch parity (Config.slab_copies
+// 2, the default; see "slab copies" in common.cuh): call e writes copy e & 1, which its peer last
+// read at e - 2. The peer ended that call before it signalled anything of e - 1, and this rank's
+// call at e - 1 waited for the peer's metadata or arrival signal of e - 1 before it ended: so no
+// call waits for an ack. With slab_copies 1 the waits and signals marked "(one copy)" below come
+// back. Memory: the two copies of recv_x are 2 * W * M * row bytes of every rank's allocation
+// (2 x 470 MB at W = 8, M = 4096, H = 7168 bf16); moe-comm info --config gives the total.
 //
 // One kernel per call, `dispatch`, on one block per SM (its blocks wait for each other, so all of
 // them must be resident at once). Blocks [0, num_senders) send (num_senders: the SM budget of
@@ -10,16 +17,15 @@
 // and expands what it can while the rows are still in flight. Phases, on rank R:
 //   send metadata (blocks [0, meta_blocks), one warp per token; meta_blocks = the larger of
 //     num_senders and min(grid, ceil(T / warps per block)): the layout waits for all of it, so at
-//     large T it is spread over the whole grid). Every warp of these blocks first waits until
-//     ack[0][r] >= e - 1 in R's own flags for every rank r (r has finished reading what R sent it
-//     at the previous epoch: a rank that runs ahead never overwrites a slab still being read),
-//     its first token's inputs loading meanwhile.
+//     large T it is spread over the whole grid). (One copy:) every warp of these blocks first
+//     waits until ack[0][r] >= e - 1 in R's own flags for every rank r (r has finished reading
+//     what R sent it at the previous epoch), its first token's inputs loading meanwhile.
 //     Then for each token t < T, recv_meta[R][t] of EVERY rank r gets t's metadata row: the local
 //     expert ids of the assignments living on r (-1 elsewhere) and the K router weights (every
 //     rank gets the row, so a stale row of an earlier call is never read as live); send_mask
 //     [T, W] and dest_rank [T, K] (local outputs) are written and invalid expert ids are counted
 //     into the status word (count + smallest (R << 32 | t)). The last of these blocks done writes
-//     count[0][R] = T and release-stores meta[0][R] = e into every rank's flags.
+//     count[0][e & 1][R] = T and release-stores meta[0][R] = e into every rank's flags.
 //   send rows (senders, one warp per (token, row part), one unit per warp per round): recv_x[R][t]
 //     of every OTHER rank t is sent to gets the x row, once per rank (16-byte stores); R's own
 //     rows are never copied, the expansion reads them from x. Tokens [c * chunk_tokens,
@@ -27,7 +33,7 @@
 //     last row, the last sender block to get there release-stores chunk_c[0][R] = e into every
 //     rank's flags.
 //   layout (early group, or every block when all send; it waits until meta[0][s] >= e for every s
-//     (acquire), then its last layout_blocks blocks rank): T_s = count[0][s]; slab rows t >= T_s
+//     (acquire), then its last layout_blocks blocks rank): T_s = count[0][e & 1][s]; slab rows t >= T_s
 //     are empty. Ranks the entries (s, t, k) of each local expert in lexicographic order (layout
 //     block b takes the b-th range of rows, counts its entries per expert, publishes the counts in
 //     local scratch behind a barrier of the layout blocks, and offsets its ranks by the counts of
@@ -39,11 +45,12 @@
 //     [start_j + n_j, end_j) (rows at or past expert_offsets[-1] are not touched).
 //   arrivals (the same group): the same copy for the rows the other ranks send, chunk by chunk as
 //     chunk_c[0][s] >= e says they have landed, so the expansion trails the transfer.
-//   Every block counts itself done at the end; the last one release-stores ack[0][R] = e into
-//     every source's flags, then sets state.epoch[0] = e.
+//   The call ends (end_call): the block counted in last at the start sets state.epoch[0] = e.
+//   (One copy:) instead every block counts itself done at the end, and the last one release-stores
+//   ack[0][R] = e into every source's flags, then sets state.epoch[0] = e.
 // `redispatch` runs the same channel with rows only (no metadata) along an existing routing's
-// send_mask: its senders release-store arrival[0][R] = e when done, and every block then expands
-// every slab with the routing's recv_pos (no layout, no padding).
+// send_mask: its senders ((one copy:) after the acks of e - 1) release-store arrival[0][R] = e when
+// done, and every block then expands every slab with the routing's recv_pos (no layout, no padding).
 //
 // A wait that runs past timeout_ns records (phase, peer) into the status word and gives up, so
 // every kernel terminates; the results of that call are then invalid (Dispatcher.check() says so).
@@ -140,13 +147,13 @@ __device__ __forceinline__ void send_metadata(const i64* s_peer, int rank, int w
                                               i64* status, i64 timeout_ns, i64 off_meta, int num_experts,
                                               int meta_blocks, const void* topk_idx, int idx_is_64,
                                               const float* topk_weights, int num_tokens, u8* send_mask,
-                                              i32* dest_rank) {
+                                              i32* dest_rank, bool wait_for_acks) {
     const int lane = threadIdx.x & 31;
     const int warps = blockDim.x >> 5;
     const int num_local_experts = num_experts / world;
     i64 num_invalid = 0;
     i64 first_invalid = NO_OFFENDER;
-    bool acked = false;
+    bool acked = !wait_for_acks;
     auto wait_acks = [&]() {
         warp_wait_flags(s_peer[rank], world, CH_TO_DEST, FLAG_ACK, epoch - 1, status, TIMEOUT_TO_DEST_ACK, timeout_ns);
         acked = true;
@@ -283,9 +290,9 @@ __device__ __forceinline__ void load_tile_batch(TileBatch& batch, const u32* met
 // each source's rows start among the concatenated rows t < T_s into s_begin [W + 1] (s_begin[W]:
 // all of them), and zero per-warp counts s_count [warps * num_local_experts].
 __device__ __forceinline__ void load_slab_tokens(i32* s_tokens, i64* s_begin, i32* s_count, i64 base, int world,
-                                                 int max_tokens_per_rank, int count_words) {
+                                                 int max_tokens_per_rank, int count_words, u64 epoch) {
     for (int p = threadIdx.x; p < world; p += blockDim.x) {
-        const u64 count = ld_relaxed_sys(flag_at(base, world, CH_TO_DEST, FLAG_COUNT, p));
+        const u64 count = ld_relaxed_sys(count_flag(base, world, CH_TO_DEST, p, epoch));
         s_tokens[p] = count > static_cast<u64>(max_tokens_per_rank) ? max_tokens_per_rank : static_cast<int>(count);
     }
     for (int i = threadIdx.x; i < count_words; i += blockDim.x) s_count[i] = 0;
@@ -405,7 +412,7 @@ __device__ __forceinline__ void layout_entries(i32* smem, i64 base, int rank, in
     i32* s_before = s_total + num_local_experts;           // [num_local_experts]: entries of the blocks before this one
     i32* s_start = s_before + num_local_experts;           // [num_local_experts]
 
-    load_slab_tokens(s_tokens, s_begin, s_count, base, world, max_tokens_per_rank, warps * num_local_experts);
+    load_slab_tokens(s_tokens, s_begin, s_count, base, world, max_tokens_per_rank, warps * num_local_experts, epoch);
 
     // Entries are taken in tiles of whole rows (32 / K rows, one lane per entry), and each warp
     // owns a contiguous range of tiles, so ranks follow the lexicographic (s, t, k) order.
@@ -561,7 +568,7 @@ __device__ __forceinline__ void expand_arrivals(RowBatch& batch, i64 base, int r
     const i64 total = block_inclusive_scan(pieces, [&](int p) {
         const int i = p % others;
         const int s = i < rank ? i : i + 1;
-        const u64 count = ld_relaxed_sys(flag_at(base, world, CH_TO_DEST, FLAG_COUNT, s));
+        const u64 count = ld_relaxed_sys(count_flag(base, world, CH_TO_DEST, s, epoch));
         const int tokens = count > static_cast<u64>(max_tokens_per_rank) ? max_tokens_per_rank : static_cast<int>(count);
         return min(max(tokens - (p / others) * chunk_tokens, 0), chunk_tokens);
     }, [&](int p, int rows, int inclusive) { s_piece[p] = inclusive - rows; });
@@ -656,7 +663,7 @@ __device__ __forceinline__ void zero_padding(const i32* s_end, const i32* s_kept
 // barrier_flags [2, gridDim.x] u64 (zero at first) are this kernel's local scratch.
 extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) dispatch(
     const i64* __restrict__ peers, int rank, int world, int max_tokens_per_rank, u64* state, i64* status, i64 timeout_ns,
-    i64 off_meta, i64 off_recv_x, int num_experts, int chunk_tokens, int num_local_experts, int alignment, int capacity,
+    i64 off_meta, i64 off_recv_x, i64 copy_stride, int num_experts, int chunk_tokens, int num_local_experts, int alignment, int capacity,
     i32* block_counts, u64* barrier_flags, int capacity_rows,
     int num_senders, int layout_blocks, const void* __restrict__ x, const void* __restrict__ topk_idx, int idx_is_64,
     const float* __restrict__ topk_weights, int num_tokens, u8* __restrict__ send_mask, i32* __restrict__ dest_rank,
@@ -664,7 +671,10 @@ extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) dispatch(
     extern __shared__ i32 smem[];
     __shared__ i64 s_peer[MAX_WORLD];
     __shared__ RowBatch batch;
-    const u64 epoch = begin_call(s_peer, peers, world, state, CH_TO_DEST);
+    const Call call = begin_call(s_peer, peers, world, state, CH_TO_DEST, true, SLOT_DISPATCH_EXPAND, copy_stride);
+    const u64 epoch = call.epoch;
+    off_meta += slab_copy(epoch, copy_stride);
+    off_recv_x += slab_copy(epoch, copy_stride);
     const int grid = gridDim.x;
     const int block = blockIdx.x;
     const int early = num_senders < grid ? num_senders : 0;  // first block of the early group
@@ -679,7 +689,7 @@ extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) dispatch(
     const int meta_blocks = max(max(num_senders, 1), min(grid, (num_tokens + warps - 1) / warps));
     if (block < meta_blocks) {
         send_metadata(s_peer, rank, world, max_tokens_per_rank, epoch, status, timeout_ns, off_meta, num_experts, meta_blocks,
-                      topk_idx, idx_is_64, topk_weights, num_tokens, send_mask, dest_rank);
+                      topk_idx, idx_is_64, topk_weights, num_tokens, send_mask, dest_rank, acks_needed(copy_stride));
         if (last_block_done(state + STATE_DONE + SLOT_DISPATCH_META, meta_blocks)) {
             signal_every_rank(s_peer, rank, world, CH_TO_DEST, FLAG_META, epoch, true, static_cast<u64>(num_tokens));
         }
@@ -706,22 +716,26 @@ extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) dispatch(
         expand_arrivals(batch, s_peer[rank], rank, world, max_tokens_per_rank, chunk_tokens, epoch, status, timeout_ns, early,
                         recv, recv_pos, capacity_rows, out);
     }
-    acknowledge_and_advance(state, SLOT_DISPATCH_EXPAND, s_peer, rank, world, CH_TO_DEST, epoch);
+    end_call(call, state, SLOT_DISPATCH_EXPAND, s_peer, rank, world, CH_TO_DEST, copy_stride);
 }
 
 // Rows only, along an existing routing (send_mask [T, W], recv_pos [W, M, K]): the same channel,
 // waits and signals as dispatch; rows no kept entry maps to are left as they were.
 extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) redispatch(
     const i64* __restrict__ peers, int rank, int world, int max_tokens_per_rank, u64* state, i64* status, i64 timeout_ns,
-    i64 off_recv_x, int capacity_rows, int num_senders, const void* __restrict__ x, int num_tokens,
+    i64 off_recv_x, i64 copy_stride, int capacity_rows, int num_senders, const void* __restrict__ x, int num_tokens,
     const u8* __restrict__ send_mask, const i32* __restrict__ recv_pos, void* __restrict__ out_x) {
     __shared__ i64 s_peer[MAX_WORLD];
     __shared__ RowBatch batch;
-    const u64 epoch = begin_call(s_peer, peers, world, state, CH_TO_DEST);
+    const Call call = begin_call(s_peer, peers, world, state, CH_TO_DEST, true, SLOT_DISPATCH_EXPAND, copy_stride);
+    const u64 epoch = call.epoch;
+    off_recv_x += slab_copy(epoch, copy_stride);
 
     if (static_cast<int>(blockIdx.x) < num_senders) {
-        block_wait_flags(s_peer[rank], world, CH_TO_DEST, FLAG_ACK, epoch - 1, status, TIMEOUT_TO_DEST_ACK,
-                         timeout_ns);
+        if (acks_needed(copy_stride)) {
+            block_wait_flags(s_peer[rank], world, CH_TO_DEST, FLAG_ACK, epoch - 1, status, TIMEOUT_TO_DEST_ACK,
+                             timeout_ns);
+        }
         send_rows(s_peer, rank, world, max_tokens_per_rank, off_recv_x, num_senders, x, num_tokens, send_mask);
         if (last_block_done(state + STATE_DONE + SLOT_REDISPATCH_SEND, num_senders)) {
             signal_every_rank(s_peer, rank, world, CH_TO_DEST, FLAG_ARRIVAL, epoch, false, 0);
@@ -732,5 +746,5 @@ extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) redispatch(
     expand_rows(batch, slab_rows(ALL_SLABS, rank, world, max_tokens_per_rank, gridDim.x), 0,
                 reinterpret_cast<const u8*>(s_peer[rank] + off_recv_x), static_cast<const u8*>(x), num_tokens, rank,
                 max_tokens_per_rank, recv_pos, capacity_rows, static_cast<u8*>(out_x));
-    acknowledge_and_advance(state, SLOT_DISPATCH_EXPAND, s_peer, rank, world, CH_TO_DEST, epoch);
+    end_call(call, state, SLOT_DISPATCH_EXPAND, s_peer, rank, world, CH_TO_DEST, copy_stride);
 }

@@ -68,7 +68,8 @@ class BenchOptions:
     tokens: tokens per rank of the workloads. routings: ``uniform`` (``topk(abs(randn) + 1)``)
     and/or ``skewed`` (a few hot experts). hidden, num_experts, topk, dtype: the model shape.
     backend: moe_comm's backend. num_sms: its senders. sm_budget: the SMs of every kernel (None:
-    the whole device). repeats: timed measurements per median.
+    the whole device). slab_copies: the config's (2: parity copies, no acks; 1: acks).
+    repeats: timed measurements per median.
     warmup: untimed runs first. baselines: also run the all-to-all baselines (CUDA only).
     budget_sweep / sweep_tokens: ``sm_budget`` values timed (graph-replayed, uniform routing) at these T.
     overlap_budgets / overlap_tokens: ``sm_budget`` values at which dispatch+combine runs beside a
@@ -86,6 +87,7 @@ class BenchOptions:
     backend: str = "auto"
     num_sms: int = 24
     sm_budget: Optional[int] = None
+    slab_copies: int = 2
     repeats: int = 50
     warmup: int = 5
     baselines: bool = True
@@ -249,7 +251,7 @@ def _config(options: BenchOptions, work: _Workload, sm_budget: Optional[int], di
     return load_config(
         None, backend=options.backend, num_experts=options.num_experts, topk=options.topk, hidden=options.hidden,
         max_tokens_per_rank=max(work.static[0].shape[0], 1), dtype=options.dtype, num_sms=options.num_sms,
-        sm_budget=sm_budget, dispatch_dtype=dispatch_dtype,
+        sm_budget=sm_budget, dispatch_dtype=dispatch_dtype, slab_copies=options.slab_copies,
     )
 
 
@@ -625,6 +627,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-baselines", action="store_true")
     parser.add_argument("--sm-budget", type=int, default=None,
                         help="SMs of every dispatch/combine kernel (default: the whole device)")
+    parser.add_argument("--slab-copies", type=int, default=defaults.slab_copies,
+                        help="receive slab copies of the device backends (2: by call parity, no acks; 1: acks)")
     parser.add_argument("--sweep-budget", type=int, nargs="*", default=[],
                         help=f"sm_budget values to time at T = {' '.join(map(str, defaults.sweep_tokens))}")
     parser.add_argument("--overlap", type=int, nargs="*", default=None, metavar="BUDGET",
@@ -649,7 +653,7 @@ def _options(args: argparse.Namespace, gpus: int) -> BenchOptions:
         tokens=tuple(chosen["tokens"]), routings=tuple(chosen["routings"]), hidden=chosen["hidden"],
         num_experts=chosen["num_experts"], topk=chosen["topk"], backend=args.backend if gpus else "reference",
         num_sms=args.num_sms, repeats=chosen["repeats"], baselines=not args.no_baselines,
-        sm_budget=args.sm_budget, budget_sweep=tuple(args.sweep_budget),
+        sm_budget=args.sm_budget, slab_copies=args.slab_copies, budget_sweep=tuple(args.sweep_budget),
         overlap_budgets=_OVERLAP_BUDGETS if args.overlap == [] else tuple(args.overlap or ()),
         dtype="bfloat16" if gpus else "float32", fp8=args.fp8,
     )
@@ -671,7 +675,7 @@ def _check_options(options: BenchOptions, world_size: int) -> None:
     config = load_config(
         None, backend=options.backend, num_experts=options.num_experts, topk=options.topk, hidden=options.hidden,
         max_tokens_per_rank=max(options.tokens), dtype=options.dtype, num_sms=options.num_sms,
-        dispatch_dtype="float8_e4m3fn" if options.fp8 else None,
+        dispatch_dtype="float8_e4m3fn" if options.fp8 else None, slab_copies=options.slab_copies,
     )
     config.check_world(world_size)
 

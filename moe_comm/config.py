@@ -21,6 +21,7 @@ import yaml
 from .assets import asset_dir
 from .backends import registry
 from .errors import ConfigError
+from .protocol import SLAB_COPIES
 
 __all__ = [
     "BACKENDS",
@@ -239,6 +240,12 @@ class Config:
     num_sms: blocks (one per SM) of the kernels that push token rows to peers (dispatch's and
         redispatch's senders), within ``sm_budget``; the receiving side's layout, expansion and
         combine, which mostly read and write local memory, use every SM of the budget.
+    slab_copies: copies of the device backends' receive slabs in the symmetric allocation. ``2``:
+        one per call parity, so a call never waits for its peers to acknowledge the previous call
+        (a sender only overwrites what its peers read two calls ago, and each call already waits
+        for every peer's signal of the call before); ``1``: half the slab memory, and every call
+        first waits for each peer's acknowledgement of the last one (a flag round per kernel, ~2 us
+        at decode sizes). ``moe-comm info --config`` gives the bytes.
     dispatch_dtype: ``null`` (dispatch moves rows in ``dtype``) or ``float8_e4m3fn``: dispatch
         moves e4m3 rows with one float32 scale per 128 channels (:mod:`moe_comm.fp8`; ``hidden`` a
         multiple of 128) and returns ``out.x`` in e4m3 with ``out.x_scales``; combine stays in
@@ -265,6 +272,7 @@ class Config:
     experts: str = "auto"
     sm_budget: Optional[int] = None
     num_sms: int = 24
+    slab_copies: int = 2
     dispatch_dtype: Optional[str] = None
     dispatch_round_scale: bool = False
     timeout_s: float = 30.0
@@ -294,6 +302,8 @@ class Config:
         if self.sm_budget is not None:
             _check_int("sm_budget", self.sm_budget, 1)
         _check_int("num_sms", self.num_sms, 1)
+        if type(self.slab_copies) is not int or self.slab_copies not in SLAB_COPIES:
+            raise _fail("slab_copies", self.slab_copies, "1 or 2")
         if self.dispatch_dtype is not None:
             _check_choice("dispatch_dtype", self.dispatch_dtype, DISPATCH_DTYPES)
             if self.hidden % 128:

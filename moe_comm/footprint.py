@@ -25,8 +25,9 @@ class Footprint:
     """Bytes one rank takes for ``config`` at ``world_size`` ranks on ``backend``.
 
     symmetric_bytes: the Dispatcher's symmetric allocation (0 on the collective backends).
-    slab_bytes: one ``[W, M, hidden]`` slab of rows (the symmetric allocation holds two, three with
-        NVSHMEM puts; the collective backends allocate two per exchange).
+    slab_bytes: one ``[W, M, hidden]`` slab of rows (the symmetric allocation holds two per slab
+        copy, ``Config.slab_copies``, and one more with NVSHMEM puts; the collective backends
+        allocate two per exchange).
     capacity_rows: rows of every dispatch output; out_x_bytes: its ``x`` in the config dtype (with
         FP8 dispatch: its packed e4m3 rows and scales).
     lossless: no ``expert_capacity`` bound (nothing is ever dropped).
@@ -67,7 +68,7 @@ def footprint(config: Config, world_size: int, backend: str) -> Footprint:
     put = backend == "nvshmem" and config.nvshmem.transport == "put" and world_size > 1
     symmetric = backend in _SYMMETRIC or (backend == "nccl" and config.nccl.transport == "symmetric")
     regions = SymmetricRegions.plan(world_size, config.max_tokens_per_rank, config.topk, row_bytes,
-                                    put_transport=put)
+                                    put_transport=put, slab_copies=config.slab_copies)
     capacity_rows = config.capacity_rows(world_size)
     out_row_bytes = row_bytes if config.dispatch_dtype is None else fp8.packed_row_bytes(config.hidden)
     return Footprint(

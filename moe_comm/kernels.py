@@ -259,14 +259,15 @@ class DispatchKernels:
         # Each kernel's parameters: the ones fixed for this backend first, then the per-call ones.
         self._dispatch_params = kernel_params(
             prefix + (
-                (regions.meta_offset, _L), (regions.recv_x_offset, _L), (num_experts, _I), (chunk_tokens, _I),
+                (regions.meta_offset, _L), (regions.recv_x_offset, _L), (regions.copy_stride, _L), (num_experts, _I), (chunk_tokens, _I),
                 (num_local_experts, _I), (expert_alignment, _I), (capacity, _I),
                 (self._block_counts.data_ptr(), _P), (self._barrier_flags.data_ptr(), _P), (capacity_rows, _I),
             ),
             (_I, _I, _P, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _P),
         )
         self._redispatch_params = kernel_params(
-            prefix + ((regions.recv_x_offset, _L), (capacity_rows, _I)), (_I, _P, _I, _P, _P, _P)
+            prefix + ((regions.recv_x_offset, _L), (regions.copy_stride, _L), (capacity_rows, _I)),
+            (_I, _P, _I, _P, _P, _P),
         )
 
     def _senders(self, num_tokens: int) -> int:
@@ -344,13 +345,14 @@ class CombineKernels:
         prefix = args.prefix()
         rows = args.world_size * args.max_tokens_per_rank
         self._combine_params = kernel_params(
-            prefix + ((regions.ret_x_offset, _L), (regions.stage_x_offset, _L), (capacity_rows, _I)),
+            prefix + ((regions.ret_x_offset, _L), (regions.copy_stride, _L), (regions.stage_x_offset, _L),
+                      (capacity_rows, _I)),
             (_P, _P, _P, _I, _P, _I, _P),
         )
         self._capacity = ((capacity_rows, _I),)
         self._values_send_grid = max(1, min(self._num_sms, _cdiv(rows * regions.topk, protocol.VALUES_THREADS)))
-        self._values_send_const = prefix + ((regions.ret_vals_offset, _L),)
-        self._values_recv_const = prefix + ((regions.ret_vals_offset, _L),)
+        self._values_send_const = prefix + ((regions.ret_vals_offset, _L), (regions.copy_stride, _L))
+        self._values_recv_const = prefix + ((regions.ret_vals_offset, _L), (regions.copy_stride, _L))
 
     def combine(self, y: torch.Tensor, routing: RoutingAddresses, weighted: bool, z: torch.Tensor) -> None:
         """One combine: the destination sends one partial row per carried slab row of ``y [capacity_rows, H]``

@@ -63,6 +63,7 @@ __all__ = [
     "MAX_TOPK",
     "META_WORD_MULTIPLE",
     "REGION_ALIGN",
+    "SLAB_COPIES",
     "DISPATCH_THREADS",
     "SEND_VPL",
     "COMBINE_THREADS",
@@ -103,10 +104,10 @@ CHANNELS = 2
 
 # Flag kinds, u64 flags[channel][kind][peer] at offset 0 of every rank's symmetric allocation.
 FLAG_ARRIVAL = 0   # written by sender `peer`: its data of this epoch has landed
-FLAG_COUNT = 1     # the T of sender `peer`
-FLAG_ACK = 2       # written by receiver `peer` once it finished reading what this rank sent it
-FLAG_META = 3      # dispatch: sender `peer`'s metadata rows and count have landed
-FLAG_CHUNK = 4     # FLAG_CHUNK + c: chunk c of dispatch's rows from sender `peer` has landed
+FLAG_COUNT = 1     # FLAG_COUNT + (epoch & 1): the T of sender `peer` at an even / odd epoch
+FLAG_ACK = 3       # written by receiver `peer` once it finished reading what this rank sent it (one slab copy)
+FLAG_META = 4      # dispatch: sender `peer`'s metadata rows and count have landed
+FLAG_CHUNK = 5     # FLAG_CHUNK + c: chunk c of dispatch's rows from sender `peer` has landed
 # Dispatch's rows land in up to MAX_CHUNKS chunks, each of at least MIN_CHUNK_TOKENS tokens
 # (every chunk costs each sending block a system fence).
 MAX_CHUNKS = 4
@@ -160,6 +161,9 @@ MAX_TOPK = 32    # columns of topk_idx: one lane per column
 # padded to a multiple of META_WORD_MULTIPLE words so rows stay 16-byte aligned (meta_words).
 META_WORD_MULTIPLE = 4
 REGION_ALIGN = 256   # bytes: every region of the symmetric allocation starts at a multiple
+# Copies of the receive slabs (Config.slab_copies): 2, one per epoch parity, lets a sender write
+# without waiting for its peer's ack; 1 halves them and keeps the ack round.
+SLAB_COPIES = (1, 2)
 # Dynamic shared memory the dispatch kernel's layout phase may use (H100/H200 allow 227 KiB per block).
 LAYOUT_SHARED_LIMIT = 200 * 1024
 
@@ -319,16 +323,22 @@ class SymmetricRegions:
     multiple of ``REGION_ALIGN`` bytes.
 
     * ``flags``    u64 ``[CHANNELS][FLAG_KINDS][W]`` at offset 0: arrival (written by the sender),
-      count (the sender's T), ack (written by the receiver into the sender's memory), metadata
-      (dispatch: the sender's metadata rows and count have landed; its rows may still be in flight),
-      then one per chunk of dispatch's rows (chunk ``c`` of the sender's rows has landed).
-    * ``meta``     u32 ``[W, M, meta_words]``: slab ``s`` written by source ``s`` in dispatch: K local
-      expert ids (-1 none), then K float32 weights, padded to a multiple of ``META_WORD_MULTIPLE`` words.
-    * ``ret_vals`` f32 ``[W, M, K]``: slab ``r`` written by destination ``r`` (return_entry_values).
-    * ``recv_x``   ``[W, M, row]``: slab ``s`` written by source ``s`` (dispatch, redispatch).
-    * ``ret_x``    ``[W, M, row]``: slab ``r`` written by destination ``r`` (combine partials).
+      count (the sender's T, one word per epoch parity), ack (written by the receiver into the
+      sender's memory; used with one slab copy), metadata (dispatch: the sender's metadata rows and
+      count have landed; its rows may still be in flight), then one per chunk of dispatch's rows
+      (chunk ``c`` of the sender's rows has landed).
+    * ``slab_copies`` copies (one per epoch parity when 2) of the four receive slabs; the offsets
+      below are copy 0's, copy 1's are ``copy_stride`` bytes further (``copy_stride`` 0: one copy).
+      Epoch ``e`` reads and writes copy ``e & 1``.
+
+      * ``meta``     u32 ``[W, M, meta_words]``: slab ``s`` written by source ``s`` in dispatch: K local
+        expert ids (-1 none), then K float32 weights, padded to a multiple of ``META_WORD_MULTIPLE`` words.
+      * ``ret_vals`` f32 ``[W, M, K]``: slab ``r`` written by destination ``r`` (return_entry_values).
+      * ``recv_x``   ``[W, M, row]``: slab ``s`` written by source ``s`` (dispatch, redispatch).
+      * ``ret_x``    ``[W, M, row]``: slab ``r`` written by destination ``r`` (combine partials).
     * ``stage_x``  ``[W, M, row]``, only with ``put_transport``: this rank's partials
       for source ``s`` before NVSHMEM puts them (NVSHMEM moves symmetric memory only); else size 0.
+      It is written and read within one call, so it has one copy.
     """
 
     world_size: int
@@ -336,30 +346,34 @@ class SymmetricRegions:
     topk: int
     row_bytes: int
     meta_words: int
+    slab_copies: int
     flags_offset: int
     meta_offset: int
     ret_vals_offset: int
     recv_x_offset: int
     ret_x_offset: int
+    copy_stride: int
     stage_x_offset: int
     nbytes: int
 
     @classmethod
     def plan(
-        cls, world_size: int, max_tokens_per_rank: int, topk: int, row_bytes: int, *, put_transport: bool = False
+        cls, world_size: int, max_tokens_per_rank: int, topk: int, row_bytes: int, *, put_transport: bool = False,
+        slab_copies: int = 2,
     ) -> "SymmetricRegions":
+        if slab_copies not in SLAB_COPIES:
+            raise ValueError(f"slab_copies must be one of {SLAB_COPIES}, got {slab_copies!r}")
         words = meta_words(topk)
         slab_rows = world_size * max_tokens_per_rank
-        offset = 0
-        regions = []
-        for size in (
-            CHANNELS * FLAG_KINDS * world_size * 8,
-            slab_rows * words * 4,
-            slab_rows * topk * 4,
-            slab_rows * row_bytes,
-            slab_rows * row_bytes,
-            slab_rows * row_bytes if put_transport else 0,
-        ):
-            regions.append(offset)
+        flags_bytes = _round_up(CHANNELS * FLAG_KINDS * world_size * 8, REGION_ALIGN)
+        slabs = []
+        offset = flags_bytes
+        for size in (slab_rows * words * 4, slab_rows * topk * 4, slab_rows * row_bytes, slab_rows * row_bytes):
+            slabs.append(offset)
             offset = _round_up(offset + size, REGION_ALIGN)
-        return cls(world_size, max_tokens_per_rank, topk, row_bytes, words, *regions, nbytes=offset)
+        copy_bytes = offset - flags_bytes
+        stage_x_offset = flags_bytes + slab_copies * copy_bytes
+        stage_bytes = slab_rows * row_bytes if put_transport else 0
+        return cls(world_size, max_tokens_per_rank, topk, row_bytes, words, slab_copies, 0, *slabs,
+                   copy_stride=copy_bytes if slab_copies == 2 else 0, stage_x_offset=stage_x_offset,
+                   nbytes=_round_up(stage_x_offset + stage_bytes, REGION_ALIGN))

@@ -155,9 +155,11 @@ def test_compile_builds_the_kernels_of_a_config(tmp_path, monkeypatch, capsys):
     assert f"the kernels of {config}" in capsys.readouterr().out
 
 
-def test_info_reports_the_memory_a_config_takes(tmp_path):
+@pytest.mark.parametrize("slab_copies", [1, 2])
+def test_info_reports_the_memory_a_config_takes(tmp_path, slab_copies):
     config = tmp_path / "big.yaml"
-    config.write_text("backend: vmm\nnum_experts: 64\ntopk: 8\nhidden: 7168\nmax_tokens_per_rank: 4096\n")
+    config.write_text("backend: vmm\nnum_experts: 64\ntopk: 8\nhidden: 7168\nmax_tokens_per_rank: 4096\n"
+                      f"slab_copies: {slab_copies}\n")
     result = _run(_command() + ["info", "--config", str(config), "--world", "8"])
     assert result.returncode == 0, result.stderr
     row_bytes = 7168 * 2
@@ -169,8 +171,8 @@ def test_info_reports_the_memory_a_config_takes(tmp_path):
     assert f"slab: {slab / 2**30:.3f} GiB ({slab:,} bytes)" in result.stdout
     held = next(line for line in result.stdout.splitlines() if "symmetric allocation" in line)
     symmetric = int(held.split("(")[1].split()[0].replace(",", ""))
-    # Two slabs of rows (received tokens, returned partials) and a few MB of metadata and flags.
-    assert 2 * slab < symmetric < 2 * slab + 2**26, held
+    # Two slabs of rows (received tokens, returned partials) per copy, and a few MB of metadata and flags.
+    assert 2 * slab_copies * slab < symmetric < 2 * slab_copies * slab + 2**26, held
 
 
 @pytest.mark.gpu

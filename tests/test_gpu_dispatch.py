@@ -266,7 +266,7 @@ def _graph_scenarios(dev, ref, rank, world, dtype, generator) -> None:
             _eager_step(dev, ref, rank, world, x, idx, weights, generator, f"eager after replay {step}")
 
     # A burst of replays with no host sync in between, one rank starting late: the device of the
-    # other rank runs ahead and must wait for acks instead of overwriting slabs still being read.
+    # other rank runs ahead and must not overwrite slabs still being read (slab copies by parity).
     graph, static, out, z = graphs[0]
     if rank == 0:
         torch.cuda._sleep(50_000_000)  # ~25 ms of GPU time before the burst on rank 0
@@ -365,6 +365,35 @@ def _timeout_scenario(rank, world, gloo) -> None:
         dist.barrier(group=gloo)
 
 
+AHEAD_CALLS = 6  # consecutive calls with the last rank delayed before each: three parity rounds
+
+
+def _ahead_scenario(rank, world, gloo, backend: str, section: dict) -> None:
+    """The last rank's stream sleeps before each of AHEAD_CALLS dispatch + combine calls, issued with
+    no host sync in between and fresh routing every call, so the other ranks' devices run ahead
+    across the parity boundary of the slab copies and write the next call into the delayed rank's
+    memory while it still expands the last one. With both slab_copies every kept output must equal
+    the reference's: two copies by parity, one by the acks."""
+    for copies in protocol.SLAB_COPIES:
+        generator = torch.Generator().manual_seed(1300 + 10 * copies + rank)
+        with moe_comm.Dispatcher(_config(backend, "bfloat16", slab_copies=copies, **section)) as dev, \
+                moe_comm.Dispatcher(_config("reference", "bfloat16"), group=gloo) as ref:
+            calls = []
+            for call in range(AHEAD_CALLS):
+                kind = ("random", "one_rank", "minus_one")[call % 3]
+                inputs = _inputs(kind, MAX_TOKENS - 3 * rank - call, world, torch.bfloat16, generator)
+                if rank == world - 1:
+                    torch.cuda._sleep(2_000_000)  # ~1 ms of GPU time before each call
+                out = dev.dispatch(*(t.to(dev.device) for t in inputs))
+                calls.append((inputs, out, dev.combine(out.x * 2, out.handle)))  # * 2: exact in bf16
+            for call, (inputs, out, z) in enumerate(calls):
+                tag = f"call {call} ahead, slab_copies {copies} (rank {rank})"
+                ref_out = ref.dispatch(*inputs)
+                _compare_dispatch(out, ref_out, tag)
+                _assert_bitwise(z, ref.combine(ref_out.x * 2, ref_out.handle), f"{tag} combine")
+            _check_status(dev, ref, f"ahead, slab_copies {copies}")
+
+
 def _rank_main(rank: int, world: int, backend_id: str) -> None:
     backend, section = GPU_BACKENDS[backend_id]
     gloo = dist.new_group(backend="gloo")
@@ -382,6 +411,8 @@ def _rank_main(rank: int, world: int, backend_id: str) -> None:
     _budget_scenarios(rank, world, gloo, backend, section)
     _many_experts_scenario(rank, world, gloo, backend, section)
     _one_layout_block_scenario(rank, world, gloo, backend, section)
+    if world > 1:
+        _ahead_scenario(rank, world, gloo, backend, section)
     if world == 2 and backend_id == "vmm":
         _timeout_scenario(rank, world, gloo)
 

@@ -136,6 +136,25 @@ def test_regions_are_aligned_and_sized_by_the_protocol():
     assert regions.meta_words == protocol.meta_words(5) == 12
 
 
+def test_two_slab_copies_sit_copy_stride_apart():
+    """Copy 1 of the four receive slabs repeats copy 0's layout copy_stride bytes further; stage_x
+    (one call's staging) and the flags have one copy; one slab copy has stride 0."""
+    one = protocol.SymmetricRegions.plan(3, 10, 5, 2048, put_transport=True, slab_copies=1)
+    two = protocol.SymmetricRegions.plan(3, 10, 5, 2048, put_transport=True, slab_copies=2)
+    assert one.copy_stride == 0 and two.slab_copies == 2
+    slabs = ("meta_offset", "ret_vals_offset", "recv_x_offset", "ret_x_offset")
+    assert all(getattr(one, name) == getattr(two, name) for name in slabs)
+    slab_rows_bytes = 3 * 10 * 2048
+    assert two.copy_stride >= 2 * slab_rows_bytes + 3 * 10 * (12 + 5) * 4
+    assert two.copy_stride % protocol.REGION_ALIGN == 0
+    # Copy 1 ends where stage_x starts: the copies do not overlap each other or the staging slab.
+    assert two.ret_x_offset + two.copy_stride + slab_rows_bytes <= two.stage_x_offset
+    assert two.stage_x_offset - one.stage_x_offset == two.copy_stride
+    assert two.nbytes - one.nbytes == two.copy_stride
+    with pytest.raises(ValueError, match="slab_copies"):
+        protocol.SymmetricRegions.plan(3, 10, 5, 2048, slab_copies=3)
+
+
 def test_a_changed_protocol_value_changes_the_compile_cache_key(tmp_path, monkeypatch):
     """The generated header is hashed with the csrc headers, so a new value is a new cache entry."""
     monkeypatch.setenv("MOE_COMM_CACHE_DIR", str(tmp_path))

@@ -167,7 +167,8 @@ class DeviceBackend(Backend):
 
         row_bytes = config.hidden * self.dtype.itemsize
         self.regions = protocol.SymmetricRegions.plan(
-            self.world_size, config.max_tokens_per_rank, config.topk, row_bytes, put_transport=put_transport
+            self.world_size, config.max_tokens_per_rank, config.topk, row_bytes, put_transport=put_transport,
+            slab_copies=config.slab_copies,
         )
         # u64 state words (epochs, done-counters): zero, like the flags of a fresh allocation.
         self._state = torch.zeros(protocol.STATE_WORDS, dtype=torch.int64, device=device)
