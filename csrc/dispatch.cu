@@ -663,7 +663,8 @@ __device__ __forceinline__ void zero_padding(const i32* s_end, const i32* s_kept
 // barrier_flags [2, gridDim.x] u64 (zero at first) are this kernel's local scratch.
 extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) dispatch(
     const i64* __restrict__ peers, int rank, int world, int max_tokens_per_rank, u64* state, i64* status, i64 timeout_ns,
-    i64 off_meta, i64 off_recv_x, i64 copy_stride, int num_experts, int chunk_tokens, int num_local_experts, int alignment, int capacity,
+    i64 off_meta, i64 off_recv_x, i64 copy_stride, int num_experts, int chunk_tokens, int num_local_experts, int alignment,
+    int capacity,
     i32* block_counts, u64* barrier_flags, int capacity_rows,
     int num_senders, int layout_blocks, const void* __restrict__ x, const void* __restrict__ topk_idx, int idx_is_64,
     const float* __restrict__ topk_weights, int num_tokens, u8* __restrict__ send_mask, i32* __restrict__ dest_rank,

@@ -244,8 +244,9 @@ class Config:
         one per call parity, so a call never waits for its peers to acknowledge the previous call
         (a sender only overwrites what its peers read two calls ago, and each call already waits
         for every peer's signal of the call before); ``1``: half the slab memory, and every call
-        first waits for each peer's acknowledgement of the last one (a flag round per kernel, ~2 us
-        at decode sizes). ``moe-comm info --config`` gives the bytes.
+        first waits for each peer's acknowledgement of the last one (a flag round per kernel: ~3 us
+        more per dispatch+combine at decode sizes on one H200). ``moe-comm info --config`` gives
+        the bytes.
     dispatch_dtype: ``null`` (dispatch moves rows in ``dtype``) or ``float8_e4m3fn``: dispatch
         moves e4m3 rows with one float32 scale per 128 channels (:mod:`moe_comm.fp8`; ``hidden`` a
         multiple of 128) and returns ``out.x`` in e4m3 with ``out.x_scales``; combine stays in

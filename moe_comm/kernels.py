@@ -259,7 +259,8 @@ class DispatchKernels:
         # Each kernel's parameters: the ones fixed for this backend first, then the per-call ones.
         self._dispatch_params = kernel_params(
             prefix + (
-                (regions.meta_offset, _L), (regions.recv_x_offset, _L), (regions.copy_stride, _L), (num_experts, _I), (chunk_tokens, _I),
+                (regions.meta_offset, _L), (regions.recv_x_offset, _L), (regions.copy_stride, _L),
+                (num_experts, _I), (chunk_tokens, _I),
                 (num_local_experts, _I), (expert_alignment, _I), (capacity, _I),
                 (self._block_counts.data_ptr(), _P), (self._barrier_flags.data_ptr(), _P), (capacity_rows, _I),
             ),
