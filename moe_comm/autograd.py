@@ -25,6 +25,11 @@ from .backends.base import Backend, DispatchResult
 __all__ = ["dispatch_with_grad", "combine_with_grad", "combine_backward", "straight_through_rows"]
 
 
+def _rows_grad_to_tokens(backend: Backend, grad_rows: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """Dispatch's backward: the rows' gradients back to their tokens, summed there (an unweighted combine)."""
+    return backend.combine(grad_rows.contiguous(), routing, weighted=False)
+
+
 class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, backend: Backend, topk_idx, topk_weights, results: list):
@@ -37,8 +42,7 @@ class _Dispatch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_rows, _grad_offsets, _grad_counts):
-        grad_x = ctx.backend.combine(grad_rows.contiguous(), ctx.routing, weighted=False)
-        return grad_x, None, None, None, None
+        return _rows_grad_to_tokens(ctx.backend, grad_rows, ctx.routing), None, None, None, None
 
 
 class _StraightThrough(torch.autograd.Function):
@@ -50,8 +54,7 @@ class _StraightThrough(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_rows):
-        grad_x = ctx.backend.combine(grad_rows.contiguous(), ctx.routing, weighted=False)
-        return grad_x, None, None, None
+        return _rows_grad_to_tokens(ctx.backend, grad_rows, ctx.routing), None, None, None
 
 
 class _Combine(torch.autograd.Function):

@@ -20,6 +20,7 @@ import yaml
 
 from .assets import asset_dir
 from .backends import registry
+from . import fp8
 from .errors import ConfigError
 from .protocol import SLAB_COPIES
 
@@ -307,9 +308,9 @@ class Config:
             raise _fail("slab_copies", self.slab_copies, "1 or 2")
         if self.dispatch_dtype is not None:
             _check_choice("dispatch_dtype", self.dispatch_dtype, DISPATCH_DTYPES)
-            if self.hidden % 128:
-                raise _fail("hidden", self.hidden, f"a multiple of 128 with dispatch_dtype {self.dispatch_dtype} "
-                            "(one scale per 128 channels)")
+            if self.hidden % fp8.BLOCK:
+                raise _fail("hidden", self.hidden, f"a multiple of {fp8.BLOCK} with dispatch_dtype "
+                            f"{self.dispatch_dtype} (one scale per {fp8.BLOCK} channels)")
         _check_bool("dispatch_round_scale", self.dispatch_round_scale)
         _check_float("timeout_s", self.timeout_s)
         if not isinstance(self.check_every_step, bool):

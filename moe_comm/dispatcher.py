@@ -238,7 +238,7 @@ class Dispatcher:
             _check_tensor("x_scales", x_scales, (x_fp8.shape[0], cfg.hidden // fp8.BLOCK), (torch.float32,),
                           self.device, "float32")
             num_tokens = x_fp8.shape[0]
-            x, x_scales = x_fp8, x_scales
+            x = x_fp8
         else:
             _check_tensor("x", x, (None, cfg.hidden), (cfg.torch_dtype,), self.device, cfg.dtype)
             num_tokens = x.shape[0]

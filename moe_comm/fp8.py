@@ -91,17 +91,21 @@ def dequantize(x_fp8: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = t
     return blocks.reshape(tokens, hidden).to(dtype)
 
 
+def _scale_bytes(hidden: int) -> int:
+    """Bytes of a row's float32 scales, one per block."""
+    return 4 * (hidden // BLOCK)
+
+
 def packed_row_bytes(hidden: int) -> int:
     """Bytes of one packed row: ``hidden`` e4m3 values, ``hidden / 128`` float32 scales, zeros to a multiple of 16."""
-    scale_bytes = 4 * (hidden // BLOCK)
-    return hidden + -(-scale_bytes // 16) * 16
+    return hidden + -(-_scale_bytes(hidden) // 16) * 16
 
 
 def pack(x_fp8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``x_fp8 [T, H]`` e4m3 and ``scales [T, H/128]`` float32 -> ``[T, packed_row_bytes(H)]`` uint8 rows."""
     tokens, hidden = x_fp8.shape
     packed = torch.empty((tokens, packed_row_bytes(hidden)), dtype=torch.uint8, device=x_fp8.device)
-    scale_end = hidden + 4 * (hidden // BLOCK)
+    scale_end = hidden + _scale_bytes(hidden)
     packed[:, :hidden] = x_fp8.view(torch.uint8)
     packed[:, hidden:scale_end] = scales.contiguous().view(torch.uint8)
     packed[:, scale_end:] = 0
@@ -111,4 +115,4 @@ def pack(x_fp8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 def unpack(packed: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Views of packed rows ``[N, packed_row_bytes(hidden)]`` uint8: ``(x_fp8 [N, H] e4m3, scales [N, H/128] f32)``."""
     return (packed[:, :hidden].view(FP8_DTYPE),
-            packed[:, hidden:hidden + 4 * (hidden // BLOCK)].view(torch.float32))
+            packed[:, hidden:hidden + _scale_bytes(hidden)].view(torch.float32))

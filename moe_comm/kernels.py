@@ -133,8 +133,8 @@ class Fp8PackKernels:
     def quantize_pack(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, H]`` (the config dtype) -> packed rows ``[T, packed_row_bytes(H)]`` uint8."""
         packed = torch.empty((x.shape[0], self._row_bytes), dtype=torch.uint8, device=self._device)
-        lanes = 128 // (16 // x.element_size())  # one group of lanes per 128-channel block
-        blocks = x.shape[0] * (self._hidden // 128)
+        lanes = fp8.BLOCK // (16 // x.element_size())  # one group of lanes per 128-channel block
+        blocks = x.shape[0] * (self._hidden // fp8.BLOCK)
         grid = self._grid(blocks * lanes, self._THREADS)
         self._quantize_pack.launch(grid, self._THREADS,
                                    self._quantize_params.fill((x.data_ptr(), x.shape[0], packed.data_ptr())))

@@ -104,13 +104,17 @@ def _dispatch_setup(ctx, inputs, output) -> None:
     ctx.save_for_backward(*output[3:])
 
 
-def _dispatch_backward(ctx, grad_rows, *_unused):
-    # The rows' gradients go back to their tokens and are summed there: an unweighted combine.
+def _rows_grad_to_tokens(ctx, grad_rows: Tensor) -> Tensor:
+    """Dispatch's backward through the ops: the rows' gradients go back to their tokens and are
+    summed there (an unweighted combine along the routing tensors ``ctx`` saved)."""
     send_mask, dest_rank, recv_pos, recv_weight = ctx.saved_tensors
-    grad_x = torch.ops.moe_comm.combine(
+    return torch.ops.moe_comm.combine(
         grad_rows.contiguous(), None, send_mask, dest_rank, recv_pos, recv_weight, ctx.dispatcher_id, False
     )
-    return grad_x, None, None, None
+
+
+def _dispatch_backward(ctx, grad_rows, *_unused):
+    return _rows_grad_to_tokens(ctx, grad_rows), None, None, None
 
 
 torch.library.register_autograd("moe_comm::dispatch", _dispatch_backward, setup_context=_dispatch_setup)
@@ -178,9 +182,7 @@ def _dequantize_fp8_setup(ctx, inputs, output) -> None:
 
 def _dequantize_fp8_backward(ctx, grad_rows):
     # Straight through: the rows' gradients go back to their tokens as a config-dtype dispatch's do.
-    grad_x = torch.ops.moe_comm.combine(grad_rows.contiguous(), None, *ctx.saved_tensors, ctx.dispatcher_id,
-                                             False)
-    return None, None, grad_x, None, None, None, None, None
+    return None, None, _rows_grad_to_tokens(ctx, grad_rows), None, None, None, None, None
 
 
 torch.library.register_autograd("moe_comm::dequantize_fp8", _dequantize_fp8_backward,
