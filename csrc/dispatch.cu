@@ -34,12 +34,14 @@
 //     rank's flags.
 //   layout (early group, or every block when all send; it waits until meta[0][s] >= e for every s
 //     (acquire), then its last layout_blocks blocks rank): T_s = count[0][e & 1][s]; slab rows t >= T_s
-//     are empty. Ranks the entries (s, t, k) of each local expert in lexicographic order (layout
-//     block b takes the b-th range of rows, counts its entries per expert, publishes the counts in
-//     local scratch behind a barrier of the layout blocks, and offsets its ranks by the counts of
-//     the blocks before it), applies the capacity (rank >= C: dropped, pos -2, counted with the
-//     smallest (s << 32 | t)), aligns the segments, and writes recv_pos [W, M, K], recv_weight
-//     [W, M, K], expert_offsets [L], tokens_per_expert [L]: exactly moe_comm.routing.plan_destination.
+//     are empty. Ranks the entries (s, t, k) of each local expert in lexicographic order (the rows
+//     t < T_s fill the first ceil(sum T_s / LAYOUT_ROWS_PER_BLOCK) layout blocks, the busy ones;
+//     busy block b takes the b-th range of rows, counts its entries per expert, publishes the
+//     counts in local scratch behind a barrier of the busy blocks (none when one is busy), and
+//     offsets its ranks by the counts of the blocks before it), applies the capacity (rank >= C:
+//     dropped, pos -2, counted with the smallest (s << 32 | t)), aligns the segments, and writes
+//     recv_pos [W, M, K], recv_weight [W, M, K], expert_offsets [L], tokens_per_expert [L]: exactly
+//     moe_comm.routing.plan_destination.
 //   own expansion (the same group, after a barrier of it): copies each of R's own rows (from x)
 //     to the out_x row of each of its kept entries and zeroes every segment's padding rows
 //     [start_j + n_j, end_j) (rows at or past expert_offsets[-1] are not touched).
@@ -421,8 +423,16 @@ __device__ __forceinline__ void layout_entries(i32* smem, i64 base, int rank, in
     const int tile_row = lane / TOPK;
     const int k = lane - tile_row * TOPK;
     const i64 total_rows = s_begin[world];
+    // The host sized `blocks` for full slabs; the rows of this call fill only `busy` of them (one
+    // at decode sizes, which then needs no barrier). Every layout block reads the same counts.
+    const i64 filled = (total_rows + LAYOUT_ROWS_PER_BLOCK - 1) / LAYOUT_ROWS_PER_BLOCK;
+    const int busy = static_cast<int>(imin64(blocks, filled > 1 ? filled : 1));
+    if (block >= busy) {
+        clear_empty_rows(s_tokens, world, max_tokens_per_rank, block, blocks, recv_pos, recv_weight);
+        return;
+    }
     const i64 num_tiles = (total_rows + rows_per_tile - 1) / rows_per_tile;
-    const i64 per_block = (num_tiles + blocks - 1) / blocks;
+    const i64 per_block = (num_tiles + busy - 1) / busy;
     const i64 block_begin = imin64(num_tiles, block * per_block);
     const i64 block_end = imin64(num_tiles, block_begin + per_block);
     const i64 per_warp = (block_end - block_begin + warps - 1) / warps;
@@ -438,7 +448,7 @@ __device__ __forceinline__ void layout_entries(i32* smem, i64 base, int rank, in
     count_entries(entries, my_count, meta, s_begin, world, max_tokens_per_rank, num_local_experts, tile_begin, tile_end,
                   total_rows, one_batch);
     prefix_over_warps(s_count, s_total, warps, num_local_experts);
-    gather_block_counts(s_total, s_before, num_local_experts, block, blocks, block_counts, barrier_flags, epoch, status,
+    gather_block_counts(s_total, s_before, num_local_experts, block, busy, block_counts, barrier_flags, epoch, status,
                         rank, timeout_ns);
 
     // Kept counts, aligned segments and their cumulative ends.

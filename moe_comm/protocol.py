@@ -176,7 +176,8 @@ DISPATCH_THREADS = 512
 SEND_VPL = 8
 COMBINE_THREADS = 512
 VALUES_THREADS = 512
-# Slab rows per layout block of dispatch (the host picks the number of layout blocks from it).
+# Slab rows per layout block of dispatch: the host sizes the layout group for full slabs by it, and
+# each call ranks its rows on as many of those blocks as they fill.
 LAYOUT_ROWS_PER_BLOCK = 256
 
 

@@ -292,12 +292,14 @@ def _capacity_scenarios(rank, world, gloo, backend: str, section: dict) -> None:
 
 def _chunked_scenarios(rank, world, gloo, backend: str, section: dict) -> None:
     """Rows and partial rows in several chunks: every chunk carrying tokens (the last one partial,
-    T < max_tokens_per_rank on all ranks but 0), then T ending inside the second chunk."""
+    T < max_tokens_per_rank on all ranks but 0), then T ending inside the second chunk, then a few
+    tokens. The layout group is sized for full slabs (4 blocks per 808 slab rows): the second and
+    third calls fill only some of them, the third one (no barrier among the layout blocks)."""
     generator = torch.Generator().manual_seed(700 + rank)
     chunked = dict(max_tokens_per_rank=CHUNKED_MAX_TOKENS)
     with moe_comm.Dispatcher(_config(backend, "bfloat16", **chunked, **section)) as dev, \
             moe_comm.Dispatcher(_config("reference", "bfloat16", **chunked), group=gloo) as ref:
-        for num_tokens in (CHUNKED_MAX_TOKENS - 3 * rank, 300 - rank):
+        for num_tokens in (CHUNKED_MAX_TOKENS - 3 * rank, 300 - rank, 5 + rank):
             x, idx, weights = _inputs("random", num_tokens, world, torch.bfloat16, generator)
             _eager_step(dev, ref, rank, world, x, idx, weights, generator, f"chunked, T={num_tokens} (rank {rank})")
 
