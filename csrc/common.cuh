@@ -11,6 +11,9 @@
 //   HIDDEN  elements per row   (HIDDEN * element size is a multiple of 16 bytes)
 //   TOPK    columns of topk_idx (1..32)
 //   PUT_TRANSPORT  0 (default): peer loads/stores; 1: NVSHMEM puts (see transport.cuh)
+//   FP8_ROWS  0 (default): slab and output rows are DTYPE rows; 1 (FP8 dispatch's build of dispatch.cu):
+//             they are packed FP8 rows of HIDDEN channels (FP8_ROW_BYTES, see fp8.cuh), and DTYPE
+//             rows are what dispatch quantizes from
 //
 // Values shared with Python (status word fields, channels, flag kinds, timeout phases, state
 // words and slots, limits, block shapes, META_WORDS) come from protocol.cuh, which
@@ -69,7 +72,18 @@ typedef unsigned long long u64;
 #error "DTYPE must be bf16, f16 or f32"
 #endif
 
-#define ROW_BYTES (HIDDEN * ELEM_BYTES)
+// A packed FP8 row (moe_comm.fp8.pack): HIDDEN e4m3 bytes, one float32 scale per FP8_BLOCK
+// channels, zeros up to a multiple of 16 bytes.
+#define FP8_BLOCK 128
+#define FP8_SCALE_BYTES (4 * (HIDDEN / FP8_BLOCK))
+#define FP8_ROW_BYTES (HIDDEN + (FP8_SCALE_BYTES + 15) / 16 * 16)
+
+#define SOURCE_ROW_BYTES (HIDDEN * ELEM_BYTES)  // a DTYPE row
+#if FP8_ROWS
+#define ROW_BYTES FP8_ROW_BYTES              // the rows slabs and outputs hold
+#else
+#define ROW_BYTES SOURCE_ROW_BYTES
+#endif
 #define ROW_VECS (ROW_BYTES / 16)         // 16-byte vectors per row
 #define ELEMS_PER_VEC (16 / ELEM_BYTES)   // elements per 16-byte vector
 

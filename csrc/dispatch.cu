@@ -50,6 +50,9 @@
 //   The call ends (end_call): the block counted in last at the start sets state.epoch[0] = e.
 //   (One copy:) instead every block counts itself done at the end, and the last one release-stores
 //   ack[0][R] = e into every source's flags, then sets state.epoch[0] = e.
+// FP8 dispatch runs a build with FP8_ROWS (common.cuh): slabs and out_x hold packed FP8 rows, and
+// with `quantize` the send and own-expansion phases build them from config-dtype x as they go
+// ("FP8 rows from DTYPE rows" below); without it x holds packed rows, copied like any rows.
 // `redispatch` runs the same channel with rows only (no metadata) along an existing routing's
 // send_mask: its senders ((one copy:) after the acks of e - 1) release-store arrival[0][R] = e when
 // done, and every block then expands every slab with the routing's recv_pos (no layout, no padding).
@@ -59,11 +62,77 @@
 //
 // moe_comm-defines: {"DTYPE": "bf16", "HIDDEN": 1024, "TOPK": 4}
 // moe_comm-defines: {"DTYPE": "bf16", "HIDDEN": 7168, "TOPK": 8}
+// moe_comm-defines: {"DTYPE": "bf16", "HIDDEN": 7168, "TOPK": 8, "FP8_ROWS": 1, "FP8_INV_MAX_BITS": 991054117}
 
 #include "common.cuh"
+#if FP8_ROWS
+#include "fp8.cuh"
+#endif
 
 #define EXPAND_VPL 4        // small units: decode sizes have few rows to spread over the SMs
 #define LAYOUT_BATCH 8      // tiles whose metadata a warp loads before it ranks them
+
+// ------------------------------------------------------------------ FP8 rows from DTYPE rows
+#if FP8_ROWS
+// FP8 dispatch of config-dtype x (`quantize`) builds the packed rows (common.cuh's FP8_ROW_BYTES)
+// from x's DTYPE rows itself, so no pass over x runs before the kernel: the senders quantize each
+// unit as they send it (fp8.cuh's quantize_unit), and the early group's blocks that do not lay out
+// pack this rank's own rows into its own slab while the metadata travels and the layout runs;
+// the own expansion then copies them from there like any slab rows. FP8 dispatch of packed rows
+// (x_fp8 and scales, packed by fp8.cu's pack_pairs) copies them like any rows.
+
+#if PUT_TRANSPORT
+// Warp-wide: what unit `chunk` of a quantized row stored into the staged row (store_fp8_unit) goes
+// to `dst` on rank `pe`: its e4m3 vectors, its blocks' scales (and the zeros after the last).
+template <int VPL>
+__device__ __forceinline__ void put_fp8_unit(u8* dst, const u8* staged, int chunk, int pe) {
+    const int first = chunk * 32 * VPL;
+    if (first >= FP8_VECS) return;
+    const int vecs = FP8_VECS - first < 32 * VPL ? FP8_VECS - first : 32 * VPL;
+    const int scales_begin = HIDDEN + 4 * (first / FP8_GROUP);
+    const int scales_end = first + vecs == FP8_VECS ? FP8_ROW_BYTES : HIDDEN + 4 * ((first + vecs) / FP8_GROUP);
+    __syncwarp();
+    nvshmemx_putmem_nbi_warp(dst + static_cast<i64>(first) * 16, staged + static_cast<i64>(first) * 16,
+                             static_cast<size_t>(vecs) * 16, pe);
+    nvshmemx_putmem_nbi_warp(dst + scales_begin, staged + scales_begin, static_cast<size_t>(scales_end - scales_begin),
+                             pe);
+}
+#endif
+
+// Warp-wide: send_token_unit's quantizing path, for the DTYPE row at src_row: the unit in two
+// halves (a whole unit's DTYPE vectors at once would spill registers).
+__device__ __forceinline__ void send_fp8_unit(const i64* s_peer, int rank, i64 row_offset, const u8* src_row, int chunk,
+                                              int v0, u64 others) {
+    constexpr int kHalf = SEND_VPL / 2;
+#if PUT_TRANSPORT
+    u8* staged = reinterpret_cast<u8*>(s_peer[rank] + row_offset);
+#else
+    (void)rank;
+    (void)chunk;
+#endif
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int half_v0 = v0 + 32 * kHalf * half;
+        Vec16 vals[kHalf];
+        float scales[kHalf];
+        quantize_unit<kHalf>(src_row, vals, scales, half_v0);
+#if PUT_TRANSPORT
+        store_fp8_unit<kHalf>(staged, vals, scales, half_v0);
+#else
+        for (u64 m = others; m != 0ull; m &= m - 1ull) {
+            store_fp8_unit<kHalf>(reinterpret_cast<u8*>(s_peer[__ffsll(static_cast<i64>(m)) - 1] + row_offset), vals,
+                                  scales, half_v0);
+        }
+#endif
+    }
+#if PUT_TRANSPORT
+    for (u64 m = others; m != 0ull; m &= m - 1ull) {
+        const int r = __ffsll(static_cast<i64>(m)) - 1;
+        put_fp8_unit<SEND_VPL>(reinterpret_cast<u8*>(s_peer[r] + row_offset), staged, chunk, r);
+    }
+#endif
+}
+#endif  // FP8_ROWS
 
 // ------------------------------------------------------------------------------- send phase
 
@@ -77,15 +146,25 @@ __device__ __forceinline__ u64 leader_dest_set(u32 leaders, int dest) {
 }
 
 // Warp-wide: unit `chunk` of token row t of x [T, H] to slab row recv_x[rank][t] of every OTHER
-// rank in `dests` (this rank's expand reads its own tokens from x). With puts the unit is first
+// rank in `dests` (this rank's expand reads its own tokens from x); with `quantize` (FP8_ROWS
+// builds) x holds DTYPE rows, quantized on the way (send_fp8_unit). With puts the unit is first
 // stored into this rank's own slab row, the copy NVSHMEM reads.
 __device__ __forceinline__ void send_token_unit(const i64* s_peer, int rank, int max_tokens_per_rank, i64 off_recv_x,
-                                                const void* x, int t, int chunk, u64 dests) {
+                                                const void* x, bool quantize, int t, int chunk, u64 dests) {
     typedef RowParts<SEND_VPL> Chunks;
     const u64 others = dests & ~(1ull << rank);
     if (others == 0ull) return;
     const i64 row_offset = off_recv_x + (static_cast<i64>(rank) * max_tokens_per_rank + t) * ROW_BYTES;
     const int v0 = chunk * Chunks::kVecs + (threadIdx.x & 31);
+#if FP8_ROWS
+    if (quantize) {
+        send_fp8_unit(s_peer, rank, row_offset, static_cast<const u8*>(x) + static_cast<i64>(t) * SOURCE_ROW_BYTES,
+                      chunk, v0, others);
+        return;
+    }
+#else
+    (void)quantize;
+#endif
     Vec16 vals[SEND_VPL];
     load_unit<SEND_VPL, kUserInput>(static_cast<const u8*>(x) + static_cast<i64>(t) * ROW_BYTES, vals, v0);
 #if PUT_TRANSPORT
@@ -197,7 +276,7 @@ __device__ __forceinline__ void send_metadata(const i64* s_peer, int rank, int w
 // release-stores chunk[c][R] = e into every rank's flags, so receivers expand while rows land.
 __device__ __forceinline__ void send_token_rows(u64* state, const i64* s_peer, int rank, int world, int max_tokens_per_rank,
                                                 u64 epoch, i64 off_recv_x, int num_experts, int num_senders,
-                                                int chunk_tokens, const void* x, const void* topk_idx,
+                                                int chunk_tokens, const void* x, bool quantize, const void* topk_idx,
                                                 int idx_is_64, int num_tokens) {
     typedef RowParts<SEND_VPL> Chunks;
     const int warps = blockDim.x >> 5;
@@ -213,7 +292,7 @@ __device__ __forceinline__ void send_token_rows(u64* state, const i64* s_peer, i
             const int t = static_cast<int>(unit / Chunks::kPerRow);
             const int part = static_cast<int>(unit - static_cast<i64>(t) * Chunks::kPerRow);
             const TokenRoute route = route_token(topk_idx, idx_is_64, t, num_experts, num_local_experts);
-            send_token_unit(s_peer, rank, max_tokens_per_rank, off_recv_x, x, t, part, route.dest_set);
+            send_token_unit(s_peer, rank, max_tokens_per_rank, off_recv_x, x, quantize, t, part, route.dest_set);
         }
         for (; chunk < chunks; ++chunk) {
             const i64 last_token = imin64(static_cast<i64>(chunk + 1) * chunk_tokens, num_tokens) - 1;
@@ -237,7 +316,7 @@ __device__ __forceinline__ void send_rows(const i64* s_peer, int rank, int world
         const int t = static_cast<int>(unit / Chunks::kPerRow);
         const int chunk = static_cast<int>(unit - static_cast<i64>(t) * Chunks::kPerRow);
         const u64 dests = warp_dest_set(send_mask + static_cast<i64>(t) * world, world);
-        send_token_unit(s_peer, rank, max_tokens_per_rank, off_recv_x, x, t, chunk, dests);
+        send_token_unit(s_peer, rank, max_tokens_per_rank, off_recv_x, x, false, t, chunk, dests);
     }
 }
 
@@ -519,9 +598,9 @@ __device__ __forceinline__ BatchShape slab_rows(SlabRows set, int rank, int worl
 
 // Block-wide: copy the listed rows of `batch` (slab rows batch.row[...]) to the out_x rows of
 // their kept entries (recv_pos in [0, capacity_rows)). Rows of this rank's own slab come from x
-// [num_tokens, H] (they are never sent), the others from recv_x, where their sources wrote them
-// before a flag this block acquired. A call whose waits timed out may carry own rows past
-// num_tokens: they are skipped.
+// [num_tokens, H] (they are never sent) unless x is null (FP8 dispatch packed them into the own
+// slab), the others from recv_x, where their sources wrote them before a flag this block
+// acquired. A call whose waits timed out may carry own rows past num_tokens: they are skipped.
 __device__ __forceinline__ void copy_listed_rows(const RowBatch& batch, int listed, const u8* recv, const u8* x,
                                                  int num_tokens, int rank, int max_tokens_per_rank, int capacity_rows,
                                                  u8* out) {
@@ -539,7 +618,11 @@ __device__ __forceinline__ void copy_listed_rows(const RowBatch& batch, int list
         Vec16 vals[EXPAND_VPL];
         if (g >= own_first && g < own_first + max_tokens_per_rank) {
             if (g - own_first >= num_tokens) continue;
-            load_unit<EXPAND_VPL, kUserInput>(x + (g - own_first) * ROW_BYTES, vals, v0);
+            if (x != nullptr) {
+                load_unit<EXPAND_VPL, kUserInput>(x + (g - own_first) * ROW_BYTES, vals, v0);
+            } else {
+                load_unit<EXPAND_VPL, kWrittenHere>(recv + g * ROW_BYTES, vals, v0);
+            }
         } else {
             load_unit<EXPAND_VPL, kWrittenHere>(recv + g * ROW_BYTES, vals, v0);
         }
@@ -676,7 +759,8 @@ extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) dispatch(
     i64 off_meta, i64 off_recv_x, i64 copy_stride, int num_experts, int chunk_tokens, int num_local_experts, int alignment,
     int capacity,
     i32* block_counts, u64* barrier_flags, int capacity_rows,
-    int num_senders, int layout_blocks, const void* __restrict__ x, const void* __restrict__ topk_idx, int idx_is_64,
+    int num_senders, int layout_blocks, const void* __restrict__ x, int quantize, const void* __restrict__ topk_idx,
+    int idx_is_64,
     const float* __restrict__ topk_weights, int num_tokens, u8* __restrict__ send_mask, i32* __restrict__ dest_rank,
     i32* recv_pos, float* recv_weight, i32* expert_offsets, i32* tokens_per_expert, void* __restrict__ out_x) {
     extern __shared__ i32 smem[];
@@ -707,10 +791,26 @@ extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) dispatch(
     }
     if (block < num_senders) {
         send_token_rows(state, s_peer, rank, world, max_tokens_per_rank, epoch, off_recv_x, num_experts, num_senders,
-                        chunk_tokens, x, topk_idx, idx_is_64, num_tokens);
+                        chunk_tokens, x, quantize != 0, topk_idx, idx_is_64, num_tokens);
     }
 
     if (block >= early) {
+#if FP8_ROWS
+        // Own rows packed while the metadata travels, on the blocks that do not lay out (all of the
+        // group when every one does); the barrier below orders them before the own expansion.
+        if (quantize) {
+            const int packers_end = layout_first > early ? layout_first : grid;
+            if (block < packers_end) {
+                const i64 warps_per_block = blockDim.x >> 5;
+                u8* own_slab = reinterpret_cast<u8*>(s_peer[rank] + off_recv_x) +
+                               static_cast<i64>(rank) * max_tokens_per_rank * ROW_BYTES;
+                quantize_rows<FP8_UNIT_VPL>(rows, num_tokens, own_slab,
+                                            (block - early) * warps_per_block + (threadIdx.x >> 5),
+                                            (packers_end - early) * warps_per_block);
+            }
+            rows = nullptr;  // the own expansion copies them from the own slab
+        }
+#endif
         block_wait_flags(s_peer[rank], world, CH_TO_DEST, FLAG_META, epoch, status, TIMEOUT_TO_DEST_ARRIVAL,
                          timeout_ns);
         if (block >= layout_first) {

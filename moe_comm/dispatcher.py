@@ -249,7 +249,7 @@ class Dispatcher:
             result = ops.dispatch_fp8(self._id, x.detach(), x_scales, topk_idx, topk_weights.detach())
         else:
             with torch.no_grad():
-                result = backend.dispatch(self._fp8.pack(x, x_scales), topk_idx, topk_weights)
+                result = self._fp8.dispatch(backend, x, x_scales, topk_idx, topk_weights)
         out_x, out_scales = fp8.unpack(result.x, cfg.hidden)
         handle = DispatchHandle(self._id, result.routing, topk_weights)
         if cfg.check_every_step:

@@ -9,9 +9,11 @@ float32 scales, one per block of 128 consecutive channels (DeepEP's ``(x_fp8 [T,
 * ``scale = amax * float32(1 / 448)`` (448: the largest e4m3 value; a multiply, so that every
   device rounds it alike), or with ``round_scale`` the smallest power of two at least that (UE8M0
   scales, as DeepEP's ``round_scale``: exact to apply, a little range lost);
-* ``x_fp8 = e4m3(clamp(x / scale, -448, 448))``, rounded to nearest even (the clamp only catches
-  the last-bit rounding of ``x / scale`` above 448 for the block's largest value).
-  ``x / scale`` divides tensor by tensor, which rounds alike on the CPU and on CUDA GPUs.
+* ``x_fp8 = e4m3(clamp(x * (1 / scale), -448, 448))``, rounded to nearest even: a multiply by the
+  block's reciprocal, rounded once to float32, as the peers quantize (DeepEP multiplies by
+  ``448 / amax``); the clamp only catches the last-bit rounding above 448 of the block's largest
+  value. Reciprocal and product are IEEE operations, which round alike on the CPU and on CUDA
+  GPUs, and a kernel needs one division per block instead of one per value.
 
 FP8 dispatch moves each row as one packed row of bytes (:func:`pack`): the ``H`` e4m3 bytes, the
 ``H / 128`` float32 scales, zeros up to a multiple of 16 bytes; its output rows are unpacked as
@@ -70,7 +72,7 @@ def quantize(x: torch.Tensor, round_scale: bool = False) -> tuple[torch.Tensor, 
     scales = amax * (1.0 / FP8_MAX)
     if round_scale:
         scales = torch.exp2(torch.ceil(torch.log2(scales)))
-    values = (blocks / scales[:, :, None]).clamp(-FP8_MAX, FP8_MAX)
+    values = (blocks * torch.reciprocal(scales)[:, :, None]).clamp(-FP8_MAX, FP8_MAX)
     return values.to(FP8_DTYPE).reshape(tokens, hidden), scales
 
 

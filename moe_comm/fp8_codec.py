@@ -1,9 +1,12 @@
-"""FP8 rows on one dispatcher's device: packing them for dispatch, dequantizing its output.
+"""FP8 rows on one dispatcher's device: dispatching them, dequantizing the output.
 
-On GPUs of compute capability 8.9 or newer the one-pass kernels of ``csrc/fp8.cu`` run
-(:class:`moe_comm.kernels.Fp8PackKernels`); elsewhere, and for power-of-two scales, the torch
-reference (:mod:`moe_comm.fp8`). Both give the same bytes, so the eager and the compiled paths
-(``moe_comm.ops``) share this one object per dispatcher.
+Config-dtype rows are quantized by the dispatch kernels themselves as they send and expand them
+where the backend's kernels can (``Backend.quantizes_fp8``, GPUs of compute capability 8.9 or
+newer, scales not rounded): no pass over ``x`` runs before. Otherwise they are packed first, by the
+one-pass kernels of ``csrc/fp8.cu`` (:class:`moe_comm.kernels.Fp8PackKernels`) on such GPUs, by the
+torch reference (:mod:`moe_comm.fp8`) elsewhere and for power-of-two scales. Every way gives the
+same bytes, so the eager and the compiled paths (``moe_comm.ops``) share this one object per
+dispatcher.
 """
 
 from __future__ import annotations
@@ -13,13 +16,15 @@ from typing import Optional
 import torch
 
 from . import fp8
+from .backends.base import Backend, DispatchResult
 from .config import Config
 
 __all__ = ["Fp8Codec"]
 
 
 class Fp8Codec:
-    """Packs rows into FP8 dispatch's packed rows and dequantizes them, on ``device``.
+    """FP8 rows on ``device``: dispatches them (quantized by the backend's kernels, or packed first),
+    packs and dequantizes them.
 
     Args:
         config: a config with ``dispatch_dtype`` set (its dtype, hidden size and ``dispatch_round_scale``).
@@ -36,6 +41,14 @@ class Fp8Codec:
 
             if torch.cuda.get_device_capability(device) >= FP8_KERNELS_MIN_ARCH:
                 self._kernels = Fp8PackKernels(device, self._dtype, self._hidden)
+
+    def dispatch(self, backend: Backend, x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: torch.Tensor,
+                 topk_weights: torch.Tensor, *, separate_outputs: bool = False) -> DispatchResult:
+        """FP8 dispatch on ``backend`` of config-dtype ``x [T, H]`` (``x_scales`` None) or of the pair
+        ``x [T, H]`` e4m3 and ``x_scales [T, H/128]`` float32; the result's ``x`` holds packed rows."""
+        if x_scales is None and backend.quantizes_fp8 and self._kernels is not None and not self._round_scale:
+            return backend.dispatch(x, topk_idx, topk_weights, separate_outputs=separate_outputs, quantize=True)
+        return backend.dispatch(self.pack(x, x_scales), topk_idx, topk_weights, separate_outputs=separate_outputs)
 
     def pack(self, x: torch.Tensor, x_scales: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Packed rows ``[T, packed_row_bytes(H)]`` uint8 of config-dtype ``x [T, H]`` (quantized), or of

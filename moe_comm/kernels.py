@@ -32,7 +32,7 @@ __all__ = [
     "CommArgs",
     "RoutingAddresses",
     "kernel_defines",
-    "packed_dispatch_defines",
+    "fp8_dispatch_defines",
     "compile_for_config",
     "DispatchKernels",
     "CombineKernels",
@@ -68,10 +68,10 @@ def kernel_defines(dtype: torch.dtype, hidden: int, topk: int, *, put_transport:
     return defines
 
 
-def packed_dispatch_defines(hidden: int, topk: int, *, put_transport: bool = False) -> dict:
-    """The dispatch build FP8 dispatch moves packed rows with (``moe_comm.fp8.pack``): the same kernels
-    for opaque rows of ``packed_row_bytes(hidden)`` bytes, spelled as bf16 rows of half as many elements."""
-    return kernel_defines(torch.bfloat16, fp8.packed_row_bytes(hidden) // 2, topk, put_transport=put_transport)
+def fp8_dispatch_defines(dtype: torch.dtype, hidden: int, topk: int, *, put_transport: bool = False) -> dict:
+    """FP8 dispatch's build of ``csrc/dispatch.cu``: slabs and outputs of packed FP8 rows
+    (``moe_comm.fp8.pack``, ``FP8_ROWS``), built from ``dtype`` rows as they are sent or copied as given."""
+    return {**fp8_defines(dtype, hidden, topk, put_transport=put_transport), "FP8_ROWS": 1}
 
 
 def compile_for_config(config, arch: str) -> list:
@@ -86,7 +86,8 @@ def compile_for_config(config, arch: str) -> list:
     toolchain = nvshmem_build.toolchain() if put else jit.Toolchain()
     builds = [("dispatch", defines), ("combine", defines)]
     if config.dispatch_dtype is not None:  # FP8 dispatch's build for packed rows (see backends/device.py)
-        builds.append(("dispatch", packed_dispatch_defines(config.hidden, config.topk, put_transport=put)))
+        builds.append(("dispatch", fp8_dispatch_defines(config.torch_dtype, config.hidden, config.topk,
+                                                        put_transport=put)))
         builds.append(("fp8", fp8_defines(config.torch_dtype, config.hidden)))
     return [jit.compile_source(name, arch=arch, defines=row_defines, toolchain=toolchain) for name, row_defines in builds]
 
@@ -94,10 +95,11 @@ def compile_for_config(config, arch: str) -> list:
 FP8_KERNELS_MIN_ARCH = (8, 9)  # csrc/fp8.cu converts with cvt.rn.satfinite.e4m3x2.f32
 
 
-def fp8_defines(dtype: torch.dtype, hidden: int) -> dict:
-    """The compile-time defines of ``csrc/fp8.cu`` for rows of ``hidden`` ``dtype``."""
+def fp8_defines(dtype: torch.dtype, hidden: int, topk: int = 1, *, put_transport: bool = False) -> dict:
+    """The compile-time defines of a build that quantizes rows of ``hidden`` ``dtype`` (``csrc/fp8.cuh``):
+    ``csrc/fp8.cu``'s with the defaults, FP8 dispatch's within :func:`fp8_dispatch_defines`."""
     inv_max_bits = struct.unpack("<I", struct.pack("<f", 1.0 / fp8.FP8_MAX))[0]
-    return {**kernel_defines(dtype, hidden, 1), "FP8_INV_MAX_BITS": inv_max_bits}
+    return {**kernel_defines(dtype, hidden, topk, put_transport=put_transport), "FP8_INV_MAX_BITS": inv_max_bits}
 
 
 class Fp8PackKernels:
@@ -133,9 +135,8 @@ class Fp8PackKernels:
     def quantize_pack(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, H]`` (the config dtype) -> packed rows ``[T, packed_row_bytes(H)]`` uint8."""
         packed = torch.empty((x.shape[0], self._row_bytes), dtype=torch.uint8, device=self._device)
-        lanes = fp8.BLOCK // (16 // x.element_size())  # one group of lanes per 128-channel block
-        blocks = x.shape[0] * (self._hidden // fp8.BLOCK)
-        grid = self._grid(blocks * lanes, self._THREADS)
+        units = x.shape[0] * _parts_per_row(self._hidden, protocol.FP8_UNIT_VPL)  # a warp each; H e4m3 bytes a row
+        grid = self._grid(32 * units, self._THREADS)
         self._quantize_pack.launch(grid, self._THREADS,
                                    self._quantize_params.fill((x.data_ptr(), x.shape[0], packed.data_ptr())))
         return packed
@@ -264,7 +265,7 @@ class DispatchKernels:
                 (num_local_experts, _I), (expert_alignment, _I), (capacity, _I),
                 (self._block_counts.data_ptr(), _P), (self._barrier_flags.data_ptr(), _P), (capacity_rows, _I),
             ),
-            (_I, _I, _P, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _P),
+            (_I, _I, _P, _I, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _P),
         )
         self._redispatch_params = kernel_params(
             prefix + ((regions.recv_x_offset, _L), (regions.copy_stride, _L), (capacity_rows, _I)),
@@ -284,18 +285,23 @@ class DispatchKernels:
         expert_offsets: torch.Tensor,
         tokens_per_expert: torch.Tensor,
         out_x: torch.Tensor,
+        *,
+        quantize: bool = False,
     ) -> None:
         """One dispatch. In: ``x [T, H]``, ``topk_idx [T, K]`` int32/int64, ``topk_weights [T, K]`` float32.
         Out (filled by the kernel): the routing's four tensors (source side ``send_mask``, ``dest_rank``;
         destination side ``recv_pos``, ``recv_weight``), ``expert_offsets``/``tokens_per_expert [L]``
-        int32, ``out_x [capacity_rows, H]``."""
+        int32, ``out_x [capacity_rows, H]``. In an FP8 dispatch build (:func:`fp8_dispatch_defines`)
+        ``out_x`` holds packed FP8 rows, and ``x`` too, or with ``quantize`` rows of the build's dtype
+        that the kernel quantizes as it sends and expands them."""
         num_tokens = x.shape[0]
         senders = self._senders(num_tokens)
         # The layout runs on blocks that do not send when there are any (it then overlaps the sends).
         idle = self._grid - senders
         layout_blocks = min(self._layout_blocks, idle) if idle > 0 else self._layout_blocks
         params = self._dispatch_params.fill((
-            senders, layout_blocks, x.data_ptr(), topk_idx.data_ptr(), 1 if topk_idx.dtype == torch.int64 else 0,
+            senders, layout_blocks, x.data_ptr(), int(quantize), topk_idx.data_ptr(),
+            1 if topk_idx.dtype == torch.int64 else 0,
             topk_weights.data_ptr(), num_tokens, routing.send_mask, routing.dest_rank, routing.recv_pos,
             routing.recv_weight, expert_offsets.data_ptr(), tokens_per_expert.data_ptr(), out_x.data_ptr(),
         ))

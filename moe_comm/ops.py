@@ -138,8 +138,8 @@ def _dispatch_fp8_op(
 
     Not differentiable: the gradient reaches ``x`` through :func:`dequantize_fp8` (straight through).
     """
-    packed = _fp8_codecs[dispatcher_id].pack(x, x_scales)
-    result = _backend(dispatcher_id).dispatch(packed, topk_idx, topk_weights, separate_outputs=True)
+    result = _fp8_codecs[dispatcher_id].dispatch(_backend(dispatcher_id), x, x_scales, topk_idx, topk_weights,
+                                                 separate_outputs=True)
     routing = result.routing
     return (result.x, result.expert_offsets, result.tokens_per_expert, routing.send_mask, routing.dest_rank,
             routing.recv_pos, routing.recv_weight)

@@ -69,6 +69,7 @@ __all__ = [
     "COMBINE_THREADS",
     "VALUES_THREADS",
     "LAYOUT_ROWS_PER_BLOCK",
+    "FP8_UNIT_VPL",
     "LAYOUT_SHARED_LIMIT",
     "StatusReport",
     "SymmetricRegions",
@@ -179,6 +180,8 @@ VALUES_THREADS = 512
 # Slab rows per layout block of dispatch: the host sizes the layout group for full slabs by it, and
 # each call ranks its rows on as many of those blocks as they fill.
 LAYOUT_ROWS_PER_BLOCK = 256
+# 16-byte e4m3 vectors per lane of a warp's unit when a kernel quantizes rows (csrc/fp8.cuh).
+FP8_UNIT_VPL = 4
 
 
 def meta_words(topk: int) -> int:
@@ -210,8 +213,9 @@ _HEADER_GROUPS = (
       "SLOT_VALUES_SEND", "SLOT_VALUES_RECV", "SLOT_DISPATCH_META")),
     ("Limits",
      ("MAX_WORLD", "MAX_TOPK", "META_WORD_MULTIPLE", "REGION_ALIGN", "LAYOUT_SHARED_LIMIT")),
-    ("Block shapes: threads per block, the send phase's vectors per lane per unit, slab rows per layout block",
-     ("DISPATCH_THREADS", "SEND_VPL", "COMBINE_THREADS", "VALUES_THREADS", "LAYOUT_ROWS_PER_BLOCK")),
+    ("Block shapes: threads per block, the send phase's vectors per lane per unit, slab rows per layout block, "
+     "e4m3 vectors per lane per unit of quantized rows",
+     ("DISPATCH_THREADS", "SEND_VPL", "COMBINE_THREADS", "VALUES_THREADS", "LAYOUT_ROWS_PER_BLOCK", "FP8_UNIT_VPL")),
 )
 
 # The C spelling of meta_words(TOPK): TOPK is a compile-time define of every kernel build.

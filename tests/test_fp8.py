@@ -35,7 +35,7 @@ def test_scales_values_and_round_trip_match_a_float32_computation(round_scale, d
             block = x[t, b * BLOCK:(b + 1) * BLOCK].float()
             scale = _expected_scale(block.tolist(), round_scale)
             assert scales[t, b].item() == pytest.approx(scale, rel=1e-6), (t, b)
-            want = (block / scales[t, b]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+            want = (block * (1.0 / scales[t, b])).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
             assert torch.equal(x_fp8[t, b * BLOCK:(b + 1) * BLOCK].view(torch.uint8), want.view(torch.uint8)), (t, b)
     back = moe_comm.dequantize(x_fp8, scales, dtype=torch.float32)
     # e4m3 keeps 3 mantissa bits: within half a unit in the last place (2^-4) of the block's largest value.

@@ -199,9 +199,13 @@ class CollectiveBackend(Backend):
         return self._exchange(gather_send_rows(rows, send_mask, self.config.max_tokens_per_rank), phase)
 
     def dispatch(
-        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *, separate_outputs: bool = False
+        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *, separate_outputs: bool = False,
+        quantize: bool = False,
     ) -> DispatchResult:
         del separate_outputs  # every output below is its own allocation
+        if quantize:
+            raise BackendError(f"the {self.name} backend moves FP8 rows packed beforehand (moe_comm.fp8.pack), "
+                               "it does not quantize them itself")
         cfg = self.config
         self._call.add_(1)
         send_mask, dest_rank, slab_expert = plan_source(

@@ -227,13 +227,15 @@ class DeviceBackend(Backend):
             )
 
         self._dispatch_kernels = dispatch_kernels(defines, self.regions)
-        # FP8 dispatch moves packed rows (moe_comm.fp8.pack) as opaque bytes: a build of the same
-        # kernels for rows of that many bytes, in the same (larger) slabs, with the same epochs.
-        self._packed_dispatch_kernels = None
+        # FP8 dispatch moves packed rows (moe_comm.fp8.pack): a build of the same kernels whose slabs
+        # and outputs hold such rows, in the same (larger) slabs, with the same epochs; it takes them
+        # packed, or quantizes config-dtype rows as it sends them.
+        self._fp8_dispatch_kernels = None
         if cfg.dispatch_dtype is not None:
-            self._packed_dispatch_kernels = dispatch_kernels(
-                kernels.packed_dispatch_defines(cfg.hidden, cfg.topk, put_transport=self._put_transport),
+            self._fp8_dispatch_kernels = dispatch_kernels(
+                kernels.fp8_dispatch_defines(self.dtype, cfg.hidden, cfg.topk, put_transport=self._put_transport),
                 dataclasses.replace(self.regions, row_bytes=fp8.packed_row_bytes(cfg.hidden)))
+            self.quantizes_fp8 = True
         self._combine_kernels = kernels.CombineKernels(
             self.device, defines, args, self.regions, capacity_rows=self.capacity_rows, num_sms=cfg.num_sms,
             grid_sms=grid_sms, toolchain=toolchain,
@@ -273,7 +275,8 @@ class DeviceBackend(Backend):
     # ------------------------------------------------------------------ per step
 
     def dispatch(
-        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *, separate_outputs: bool = False
+        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *, separate_outputs: bool = False,
+        quantize: bool = False,
     ) -> DispatchResult:
         cfg = self.config
         device = self.device
@@ -282,10 +285,16 @@ class DeviceBackend(Backend):
         expert_offsets, tokens_per_expert, routing = outputs(
             num_tokens, self.world_size, cfg.max_tokens_per_rank, cfg.topk, self.num_local_experts, device
         )
-        # Packed FP8 rows (uint8, moe_comm.fp8.pack) go through their own build; out.x has x's width and dtype.
-        launcher = self._packed_dispatch_kernels if x.dtype == torch.uint8 else self._dispatch_kernels
-        out_x = torch.empty((self.capacity_rows, x.shape[1]), dtype=x.dtype, device=device)
-        launcher.dispatch(x, topk_idx, topk_weights, _addresses(routing), expert_offsets, tokens_per_expert, out_x)
+        # FP8 rows (given packed as uint8, or quantized on the way) go through their own build.
+        if quantize or x.dtype == torch.uint8:
+            launcher = self._fp8_dispatch_kernels
+            out_x = torch.empty((self.capacity_rows, fp8.packed_row_bytes(cfg.hidden)), dtype=torch.uint8,
+                                device=device)
+        else:
+            launcher = self._dispatch_kernels
+            out_x = torch.empty((self.capacity_rows, x.shape[1]), dtype=x.dtype, device=device)
+        launcher.dispatch(x, topk_idx, topk_weights, _addresses(routing), expert_offsets, tokens_per_expert, out_x,
+                          quantize=quantize)
         return DispatchResult(out_x, expert_offsets, tokens_per_expert, routing)
 
     def redispatch(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
