@@ -85,27 +85,20 @@ def _same_output(out, ref) -> bool:
             and torch.equal(out.x_scales[:end].cpu(), ref.x_scales[:end]))
 
 
-def _rank_fp8_dispatch(rank: int, world: int, backend_id: str, overrides: dict) -> list:
-    import torch.distributed as dist
-
-    from gpu_backends import GPU_BACKENDS
-
-    backend, section = GPU_BACKENDS[backend_id]
-    gloo = dist.new_group(backend="gloo")
-    gen = torch.Generator().manual_seed(rank)
-    results = []
+def _fp8_dispatch_checks(backend: str, section: dict, gloo, gen: torch.Generator, overrides: dict) -> list:
+    """FP8 dispatch of one config shape against the reference: a pre-quantized pair eagerly, then bf16
+    rows quantized inside the call, captured once and replayed with new rows and routing (4 results)."""
     shape = {**FP8_CONFIG, **overrides}
     hidden = shape["hidden"]
     ref_shape = {key: value for key, value in shape.items() if key not in ("num_sms", "sm_budget")}
+    results = []
     with moe_comm.Dispatcher(moe_comm.load_config(None, backend=backend, **section, **shape)) as dev, \
             moe_comm.Dispatcher(moe_comm.load_config(None, backend="reference", **ref_shape), group=gloo) as ref:
         device = dev.device
         x, idx, weights = _fp8_inputs(gen, hidden)
-        # A pre-quantized pair, eagerly.
         pair = tuple(t.to(device) for t in moe_comm.quantize(x))
         results.append(_same_output(dev.dispatch(pair, idx.to(device), weights.to(device)),
                                     ref.dispatch(x, idx, weights)))
-        # bf16 rows, quantized inside the call: captured once, replayed with new rows and routing.
         static = [t.to(device) for t in (x, idx, weights)]
         out = dev.dispatch(*static)
         graph = torch.cuda.CUDAGraph()
@@ -122,22 +115,36 @@ def _rank_fp8_dispatch(rank: int, world: int, backend_id: str, overrides: dict) 
     return results
 
 
+def _rank_fp8_dispatch(rank: int, world: int, backend_id: str, shapes: list) -> dict:
+    import torch.distributed as dist
+
+    from gpu_backends import GPU_BACKENDS
+
+    backend, section = GPU_BACKENDS[backend_id]
+    gloo = dist.new_group(backend="gloo")
+    gen = torch.Generator().manual_seed(rank)
+    return {str(overrides): _fp8_dispatch_checks(backend, section, gloo, gen, overrides) for overrides in shapes}
+
+
 # Device kernels quantize config-dtype rows themselves: their senders unit by unit (world 2), and
 # the blocks that neither send nor lay out pack the own rows (a budget of senders leaves some).
 # 1152 channels: 9 blocks, so the packed row ends in 12 zero bytes and a unit's last lanes idle.
-@pytest.mark.parametrize("backend_id, world, overrides", [
-    ("vmm", 1, {}), ("vmm", 2, {}), ("nvshmem-p2p", 1, {}), ("nccl-symmetric", 1, {}), ("nccl-collective", 1, {}),
-    ("vmm", 1, {"hidden": 1152}), ("vmm", 2, {"hidden": 1152, "num_sms": 2}), ("vmm", 2, {"sm_budget": 4}),
+# Shapes of one backend and world share one spawn of ranks.
+@pytest.mark.parametrize("backend_id, world, shapes", [
+    ("vmm", 1, [{}, {"hidden": 1152}]),
+    ("vmm", 2, [{}, {"hidden": 1152, "num_sms": 2}, {"sm_budget": 4}]),
+    ("nvshmem-p2p", 1, [{}]), ("nccl-symmetric", 1, [{}]), ("nccl-collective", 1, [{}]),
 ])
-def test_fp8_dispatch_equals_reference_bitwise(backend_id, world, overrides, requires_gpus):
+def test_fp8_dispatch_equals_reference_bitwise(backend_id, world, shapes, requires_gpus):
     from gpu_backends import dist_backend_for, gpus_needed
     from multirank import run_ranks
 
     gpus = requires_gpus(gpus_needed(backend_id, world))
-    per_rank = run_ranks(_rank_fp8_dispatch, world, backend_id, overrides, dist_backend=dist_backend_for(world, gpus),
+    per_rank = run_ranks(_rank_fp8_dispatch, world, backend_id, shapes, dist_backend=dist_backend_for(world, gpus),
                          gpu=True, timeout_s=300)
-    for rank, same in enumerate(per_rank):
-        assert same == [True] * 4, f"rank {rank}: eager, then 3 replays: {same}"
+    for rank, by_shape in enumerate(per_rank):
+        for shape, same in by_shape.items():
+            assert same == [True] * 4, f"rank {rank}, shape {shape}: eager, then 3 replays: {same}"
 
 
 def _rank_fp8_training(rank: int, world: int, backend_id: str) -> dict:
