@@ -549,11 +549,14 @@ struct RowParts {
 // block loads a batch's recv_pos (and optionally recv_weight) into shared memory in one pass and
 // lists the rows that carry work, so warps then only touch those rows. A scan covers a set of
 // rows: all of them or one rank's slab (M rows from `offset`), numbered v = 0 .. total_rows - 1
-// (dispatch's expand_arrivals orders its own batches by chunk). A batch holds R = min(BATCH_ROWS,
-// ceil(total_rows / blocks)) rows, so every block gets a batch even when there are few rows
-// (decode sizes), and batch q of Q = ceil(total_rows / R) holds the rows v = q, q + Q, q + 2Q,
-// ...: interleaved, so the rows that carry tokens (the first T_s of each slab) spread evenly over
-// all batches and blocks even when T is much smaller than M.
+// (dispatch's expand_arrivals orders its own batches by chunk). Each block takes n =
+// ceil(ceil(total_rows / blocks) / BATCH_ROWS) batches of R = ceil(ceil(total_rows / blocks) / n)
+// rows (at most BATCH_ROWS), so every block gets a batch even when there are few rows (decode
+// sizes) and every block the same number when there are many (4096 rows on 108 blocks: 216
+// batches of 19 rows, not 128 of 32 of which 20 blocks took two while 88 idled). Batch q of Q =
+// ceil(total_rows / R) holds the rows v = q, q + Q, q + 2Q, ...: interleaved, so the rows that
+// carry tokens (the first T_s of each slab) spread evenly over all batches and blocks even when T
+// is much smaller than M.
 #define BATCH_ROWS 32
 
 struct RowBatch {
@@ -575,7 +578,9 @@ struct BatchShape {
 __device__ __forceinline__ BatchShape batch_shape(i64 total_rows, int blocks, i64 offset = 0) {
     BatchShape shape;
     const i64 per_block = (total_rows + blocks - 1) / blocks;
-    shape.rows = static_cast<int>(per_block < 1 ? 1 : (per_block > BATCH_ROWS ? BATCH_ROWS : per_block));
+    const i64 batches_per_block = (per_block + BATCH_ROWS - 1) / BATCH_ROWS;
+    const i64 rows = batches_per_block < 1 ? 1 : (per_block + batches_per_block - 1) / batches_per_block;
+    shape.rows = static_cast<int>(rows < 1 ? 1 : rows);
     shape.count = (total_rows + shape.rows - 1) / shape.rows;
     shape.total_rows = total_rows;
     shape.offset = offset;

@@ -76,10 +76,13 @@
 #if FP8_ROWS
 // FP8 dispatch of config-dtype x (`quantize`) builds the packed rows (common.cuh's FP8_ROW_BYTES)
 // from x's DTYPE rows itself, so no pass over x runs before the kernel: the senders quantize each
-// unit as they send it (fp8.cuh's quantize_unit), and the early group's blocks that do not lay out
-// pack this rank's own rows into its own slab while the metadata travels and the layout runs;
-// the own expansion then copies them from there like any slab rows. FP8 dispatch of packed rows
-// (x_fp8 and scales, packed by fp8.cu's pack_pairs) copies them like any rows.
+// unit as they send it (fp8.cuh's quantize_unit). This rank's own rows: up to
+// FP8_PACK_OWN_MAX_TOKENS tokens, the early group's blocks that do not lay out pack them into the
+// own slab while the metadata travels and the layout runs, and the own expansion copies them from
+// there like any slab rows (the quantization then stays off the expansion's path); past that the
+// packing outlasts the layout, and the own expansion quantizes each unit it copies instead (no
+// round trip of the packed rows through memory). FP8 dispatch of packed rows (x_fp8 and scales,
+// packed by fp8.cu's pack_pairs) copies them like any rows.
 
 #if PUT_TRANSPORT
 // Warp-wide: what unit `chunk` of a quantized row stored into the staged row (store_fp8_unit) goes
@@ -598,12 +601,13 @@ __device__ __forceinline__ BatchShape slab_rows(SlabRows set, int rank, int worl
 
 // Block-wide: copy the listed rows of `batch` (slab rows batch.row[...]) to the out_x rows of
 // their kept entries (recv_pos in [0, capacity_rows)). Rows of this rank's own slab come from x
-// [num_tokens, H] (they are never sent) unless x is null (FP8 dispatch packed them into the own
-// slab), the others from recv_x, where their sources wrote them before a flag this block
-// acquired. A call whose waits timed out may carry own rows past num_tokens: they are skipped.
+// [num_tokens, H] (they are never sent; with quantize_own DTYPE rows, quantized on the way) unless
+// x is null (FP8 dispatch packed them into the own slab), the others from recv_x, where their
+// sources wrote them before a flag this block acquired. A call whose waits timed out may carry
+// own rows past num_tokens: they are skipped.
 __device__ __forceinline__ void copy_listed_rows(const RowBatch& batch, int listed, const u8* recv, const u8* x,
-                                                 int num_tokens, int rank, int max_tokens_per_rank, int capacity_rows,
-                                                 u8* out) {
+                                                 bool quantize_own, int num_tokens, int rank, int max_tokens_per_rank,
+                                                 int capacity_rows, u8* out) {
     typedef RowParts<EXPAND_VPL> Chunks;
     const int lane = threadIdx.x & 31;
     const int warps = blockDim.x >> 5;
@@ -618,6 +622,18 @@ __device__ __forceinline__ void copy_listed_rows(const RowBatch& batch, int list
         Vec16 vals[EXPAND_VPL];
         if (g >= own_first && g < own_first + max_tokens_per_rank) {
             if (g - own_first >= num_tokens) continue;
+#if FP8_ROWS
+            if (quantize_own) {
+                float scales[EXPAND_VPL];
+                quantize_unit<EXPAND_VPL>(x + (g - own_first) * SOURCE_ROW_BYTES, vals, scales, v0);
+                for (u32 m = kept; m != 0u; m &= m - 1u) {
+                    const int k = __ffs(static_cast<int>(m)) - 1;
+                    store_fp8_unit<EXPAND_VPL>(out + static_cast<i64>(batch.pos[r * TOPK + k]) * ROW_BYTES, vals,
+                                               scales, v0);
+                }
+                continue;
+            }
+#endif
             if (x != nullptr) {
                 load_unit<EXPAND_VPL, kUserInput>(x + (g - own_first) * ROW_BYTES, vals, v0);
             } else {
@@ -636,11 +652,11 @@ __device__ __forceinline__ void copy_listed_rows(const RowBatch& batch, int list
 // Block-wide, blocks [first_block, gridDim.x): expand every carried slab row of `shape`'s set
 // (recv_pos [W * M, K] may have been written by other blocks of this kernel: plain loads).
 __device__ __forceinline__ void expand_rows(RowBatch& batch, const BatchShape& shape, int first_block, const u8* recv,
-                                            const u8* x, int num_tokens, int rank, int max_tokens_per_rank,
-                                            const i32* recv_pos, int capacity_rows, u8* out) {
+                                            const u8* x, bool quantize_own, int num_tokens, int rank,
+                                            int max_tokens_per_rank, const i32* recv_pos, int capacity_rows, u8* out) {
     for (i64 q = blockIdx.x - first_block; q < shape.count; q += gridDim.x - first_block) {
         const int listed = block_load_batch(batch, recv_pos, nullptr, shape, q, 0);
-        copy_listed_rows(batch, listed, recv, x, num_tokens, rank, max_tokens_per_rank, capacity_rows, out);
+        copy_listed_rows(batch, listed, recv, x, quantize_own, num_tokens, rank, max_tokens_per_rank, capacity_rows, out);
         __syncthreads();  // the batch is overwritten next
     }
 }
@@ -700,7 +716,7 @@ __device__ __forceinline__ void expand_arrivals(RowBatch& batch, i64 base, int r
             int piece, source;
             return locate(v, piece, source);
         }, 0);
-        copy_listed_rows(batch, listed, recv, nullptr, 0, rank, max_tokens_per_rank, capacity_rows, out);
+        copy_listed_rows(batch, listed, recv, nullptr, false, 0, rank, max_tokens_per_rank, capacity_rows, out);
         __syncthreads();  // the batch is overwritten next
     }
 }
@@ -798,7 +814,7 @@ extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) dispatch(
 #if FP8_ROWS
         // Own rows packed while the metadata travels, on the blocks that do not lay out (all of the
         // group when every one does); the barrier below orders them before the own expansion.
-        if (quantize) {
+        if (quantize && num_tokens <= FP8_PACK_OWN_MAX_TOKENS) {
             const int packers_end = layout_first > early ? layout_first : grid;
             if (block < packers_end) {
                 const i64 warps_per_block = blockDim.x >> 5;
@@ -819,8 +835,8 @@ extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) dispatch(
                            expert_offsets, tokens_per_expert, block_counts, barrier_flags);
         }
         blocks_barrier(barrier_flags + grid, block, early, grid, epoch, status, rank, timeout_ns);
-        expand_rows(batch, slab_rows(OWN_SLAB, rank, world, max_tokens_per_rank, grid - early), early, recv, rows, num_tokens,
-                    rank, max_tokens_per_rank, recv_pos, capacity_rows, out);
+        expand_rows(batch, slab_rows(OWN_SLAB, rank, world, max_tokens_per_rank, grid - early), early, recv, rows,
+                    quantize && rows != nullptr, num_tokens, rank, max_tokens_per_rank, recv_pos, capacity_rows, out);
         // The segments only after the own rows: their loads would delay the first row copies.
         load_segments(smem, smem + num_local_experts, smem + 2 * num_local_experts, expert_offsets, tokens_per_expert, num_local_experts);
         zero_padding(smem, smem + num_local_experts, smem + 2 * num_local_experts, num_local_experts, capacity_rows, early, out);
@@ -855,7 +871,7 @@ extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) redispatch(
     block_wait_flags(s_peer[rank], world, CH_TO_DEST, FLAG_ARRIVAL, epoch, status, TIMEOUT_TO_DEST_ARRIVAL,
                      timeout_ns);
     expand_rows(batch, slab_rows(ALL_SLABS, rank, world, max_tokens_per_rank, gridDim.x), 0,
-                reinterpret_cast<const u8*>(s_peer[rank] + off_recv_x), static_cast<const u8*>(x), num_tokens, rank,
+                reinterpret_cast<const u8*>(s_peer[rank] + off_recv_x), static_cast<const u8*>(x), false, num_tokens, rank,
                 max_tokens_per_rank, recv_pos, capacity_rows, static_cast<u8*>(out_x));
     end_call(call, state, SLOT_DISPATCH_EXPAND, s_peer, rank, world, CH_TO_DEST, copy_stride);
 }

@@ -70,6 +70,7 @@ __all__ = [
     "VALUES_THREADS",
     "LAYOUT_ROWS_PER_BLOCK",
     "FP8_UNIT_VPL",
+    "FP8_PACK_OWN_MAX_TOKENS",
     "LAYOUT_SHARED_LIMIT",
     "StatusReport",
     "SymmetricRegions",
@@ -182,6 +183,10 @@ VALUES_THREADS = 512
 LAYOUT_ROWS_PER_BLOCK = 256
 # 16-byte e4m3 vectors per lane of a warp's unit when a kernel quantizes rows (csrc/fp8.cuh).
 FP8_UNIT_VPL = 4
+# FP8 dispatch of config-dtype rows: up to this many tokens the own rows are packed while the
+# metadata travels, past it the own expansion quantizes them (csrc/dispatch.cu; the two met at
+# 2048 on one H200, the expansion 11 us ahead at 4096, the packing up to 3 us ahead below).
+FP8_PACK_OWN_MAX_TOKENS = 2048
 
 
 def meta_words(topk: int) -> int:
@@ -214,8 +219,9 @@ _HEADER_GROUPS = (
     ("Limits",
      ("MAX_WORLD", "MAX_TOPK", "META_WORD_MULTIPLE", "REGION_ALIGN", "LAYOUT_SHARED_LIMIT")),
     ("Block shapes: threads per block, the send phase's vectors per lane per unit, slab rows per layout block, "
-     "e4m3 vectors per lane per unit of quantized rows",
-     ("DISPATCH_THREADS", "SEND_VPL", "COMBINE_THREADS", "VALUES_THREADS", "LAYOUT_ROWS_PER_BLOCK", "FP8_UNIT_VPL")),
+     "e4m3 vectors per lane per unit of quantized rows, the most tokens whose own rows FP8 dispatch packs first",
+     ("DISPATCH_THREADS", "SEND_VPL", "COMBINE_THREADS", "VALUES_THREADS", "LAYOUT_ROWS_PER_BLOCK", "FP8_UNIT_VPL",
+      "FP8_PACK_OWN_MAX_TOKENS")),
 )
 
 # The C spelling of meta_words(TOPK): TOPK is a compile-time define of every kernel build.

@@ -71,11 +71,11 @@ FP8_CONFIG = dict(num_experts=EXPERTS, topk=TOPK, hidden=HIDDEN, max_tokens_per_
                   dtype="bfloat16", dispatch_dtype="float8_e4m3fn")
 
 
-def _fp8_inputs(gen: torch.Generator, hidden: int = HIDDEN):
-    x = (torch.randn(TOKENS, hidden, generator=gen) * torch.logspace(-3, 3, hidden)).to(torch.bfloat16)
-    idx = torch.randint(0, EXPERTS, (TOKENS, TOPK), generator=gen)
-    idx[torch.rand(TOKENS, TOPK, generator=gen) < 0.2] = -1
-    return x, idx, torch.rand(TOKENS, TOPK, generator=gen)
+def _fp8_inputs(gen: torch.Generator, hidden: int = HIDDEN, tokens: int = TOKENS):
+    x = (torch.randn(tokens, hidden, generator=gen) * torch.logspace(-3, 3, hidden)).to(torch.bfloat16)
+    idx = torch.randint(0, EXPERTS, (tokens, TOPK), generator=gen)
+    idx[torch.rand(tokens, TOPK, generator=gen) < 0.2] = -1
+    return x, idx, torch.rand(tokens, TOPK, generator=gen)
 
 
 def _same_output(out, ref) -> bool:
@@ -89,13 +89,13 @@ def _fp8_dispatch_checks(backend: str, section: dict, gloo, gen: torch.Generator
     """FP8 dispatch of one config shape against the reference: a pre-quantized pair eagerly, then bf16
     rows quantized inside the call, captured once and replayed with new rows and routing (4 results)."""
     shape = {**FP8_CONFIG, **overrides}
-    hidden = shape["hidden"]
+    hidden, tokens = shape["hidden"], shape["max_tokens_per_rank"]
     ref_shape = {key: value for key, value in shape.items() if key not in ("num_sms", "sm_budget")}
     results = []
     with moe_comm.Dispatcher(moe_comm.load_config(None, backend=backend, **section, **shape)) as dev, \
             moe_comm.Dispatcher(moe_comm.load_config(None, backend="reference", **ref_shape), group=gloo) as ref:
         device = dev.device
-        x, idx, weights = _fp8_inputs(gen, hidden)
+        x, idx, weights = _fp8_inputs(gen, hidden, tokens)
         pair = tuple(t.to(device) for t in moe_comm.quantize(x))
         results.append(_same_output(dev.dispatch(pair, idx.to(device), weights.to(device)),
                                     ref.dispatch(x, idx, weights)))
@@ -105,7 +105,7 @@ def _fp8_dispatch_checks(backend: str, section: dict, gloo, gen: torch.Generator
         with torch.cuda.graph(graph):
             out = dev.dispatch(*static)
         for _ in range(3):
-            x, idx, weights = _fp8_inputs(gen, hidden)
+            x, idx, weights = _fp8_inputs(gen, hidden, tokens)
             for target, value in zip(static, (x, idx, weights)):
                 target.copy_(value)
             graph.replay()
@@ -127,11 +127,12 @@ def _rank_fp8_dispatch(rank: int, world: int, backend_id: str, shapes: list) -> 
 
 
 # Device kernels quantize config-dtype rows themselves: their senders unit by unit (world 2), and
-# the blocks that neither send nor lay out pack the own rows (a budget of senders leaves some).
+# the blocks that neither send nor lay out pack the own rows (a budget of senders leaves some), or
+# past protocol.FP8_PACK_OWN_MAX_TOKENS (2048) tokens the own expansion quantizes them (2100).
 # 1152 channels: 9 blocks, so the packed row ends in 12 zero bytes and a unit's last lanes idle.
 # Shapes of one backend and world share one spawn of ranks.
 @pytest.mark.parametrize("backend_id, world, shapes", [
-    ("vmm", 1, [{}, {"hidden": 1152}]),
+    ("vmm", 1, [{}, {"hidden": 1152}, {"max_tokens_per_rank": 2100}, {"hidden": 1152, "max_tokens_per_rank": 2100}]),
     ("vmm", 2, [{}, {"hidden": 1152, "num_sms": 2}, {"sm_budget": 4}]),
     ("nvshmem-p2p", 1, [{}]), ("nccl-symmetric", 1, [{}]), ("nccl-collective", 1, [{}]),
 ])
