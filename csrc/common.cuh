@@ -12,8 +12,8 @@
 //   TOPK    columns of topk_idx (1..32)
 //   PUT_TRANSPORT  0 (default): peer loads/stores; 1: NVSHMEM puts (see transport.cuh)
 //   FP8_ROWS  0 (default): slab and output rows are DTYPE rows; 1 (FP8 dispatch's build of dispatch.cu):
-//             they are packed FP8 rows of HIDDEN channels (FP8_ROW_BYTES, see fp8.cuh), and DTYPE
-//             rows are what dispatch quantizes from
+//             they are packed FP8 rows of HIDDEN channels (FP8_ROW_BYTES below; the quantization
+//             is fp8.cuh's), and DTYPE rows are what dispatch quantizes from
 //
 // Values shared with Python (status word fields, channels, flag kinds, timeout phases, state
 // words and slots, limits, block shapes, META_WORDS) come from protocol.cuh, which
@@ -578,8 +578,8 @@ struct BatchShape {
 __device__ __forceinline__ BatchShape batch_shape(i64 total_rows, int blocks, i64 offset = 0) {
     BatchShape shape;
     const i64 per_block = (total_rows + blocks - 1) / blocks;
-    const i64 batches_per_block = (per_block + BATCH_ROWS - 1) / BATCH_ROWS;
-    const i64 rows = batches_per_block < 1 ? 1 : (per_block + batches_per_block - 1) / batches_per_block;
+    const i64 batches_per_block = per_block > BATCH_ROWS ? (per_block + BATCH_ROWS - 1) / BATCH_ROWS : 1;
+    const i64 rows = (per_block + batches_per_block - 1) / batches_per_block;  // at most BATCH_ROWS
     shape.rows = static_cast<int>(rows < 1 ? 1 : rows);
     shape.count = (total_rows + shape.rows - 1) / shape.rows;
     shape.total_rows = total_rows;

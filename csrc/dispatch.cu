@@ -813,7 +813,8 @@ extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) dispatch(
     if (block >= early) {
 #if FP8_ROWS
         // Own rows packed while the metadata travels, on the blocks that do not lay out (all of the
-        // group when every one does); the barrier below orders them before the own expansion.
+        // group when every one does); the barrier below orders them before the own expansion. With
+        // puts the senders stage rows in the same slab rows: the same bytes.
         if (quantize && num_tokens <= FP8_PACK_OWN_MAX_TOKENS) {
             const int packers_end = layout_first > early ? layout_first : grid;
             if (block < packers_end) {
