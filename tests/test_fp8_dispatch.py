@@ -169,3 +169,68 @@ def test_fp8_config_needs_hidden_in_blocks_of_128():
     with pytest.raises(moe_comm.ConfigError, match="'dispatch_dtype'"):
         moe_comm.load_config(None, dispatch_dtype="float8_e5m2")
     assert fp8.packed_row_bytes(7168) == 7168 + 224 and fp8.packed_row_bytes(128) == 144
+
+
+class _RecordingBackend:
+    """Stands in for a backend: records what Fp8Codec.dispatch hands it."""
+
+    def __init__(self, quantizes_fp8: bool):
+        self.quantizes_fp8 = quantizes_fp8
+        self.calls = []
+
+    def dispatch(self, x, topk_idx, topk_weights, *, separate_outputs=False, quantize=False):
+        self.calls.append({"x": x, "separate_outputs": separate_outputs, "quantize": quantize})
+        return len(self.calls)
+
+
+class _PackingKernels:
+    """Stands in for the GPU packing kernels (Fp8PackKernels) with the torch reference they equal."""
+
+    def quantize_pack(self, x):
+        return fp8.pack(*fp8.quantize(x))
+
+    def pack_pairs(self, x_fp8, scales):
+        return fp8.pack(x_fp8, scales)
+
+
+def test_fp8_codec_lets_quantizing_kernels_quantize_and_packs_for_everything_else():
+    from moe_comm.fp8_codec import Fp8Codec
+
+    x, idx, weights = _inputs(0)
+    packed = fp8.pack(*fp8.quantize(x))
+    pair = fp8.quantize(x)
+    for round_scale in (False, True):
+        cfg = moe_comm.load_config(None, **BASE, dispatch_dtype="float8_e4m3fn", dispatch_round_scale=round_scale)
+        want_packed = fp8.pack(*fp8.quantize(x, round_scale=round_scale))
+        for kernels in (None, _PackingKernels()):  # a CPU (no e4m3 kernels), an sm_89+ GPU
+            codec = Fp8Codec(cfg, torch.device("cpu"))
+            codec._kernels = kernels
+            for quantizing in (False, True):
+                backend = _RecordingBackend(quantizing)
+                codec.dispatch(backend, x, None, idx, weights, separate_outputs=True)
+                codec.dispatch(backend, *pair, idx, weights)
+                rows, given_pair = backend.calls
+                in_kernel = quantizing and kernels is not None and not round_scale
+                assert rows["quantize"] is in_kernel and rows["separate_outputs"] is True
+                if in_kernel:
+                    assert rows["x"] is x
+                else:
+                    assert torch.equal(rows["x"], want_packed)
+                # A pre-quantized pair is packed as it is, whoever dispatches it.
+                assert given_pair["quantize"] is False and torch.equal(given_pair["x"], packed)
+
+
+def _rank_collective_quantize(rank: int, world: int) -> str:
+    cfg = moe_comm.load_config(None, **BASE, dispatch_dtype="float8_e4m3fn")
+    x, idx, weights = _inputs(rank)
+    with moe_comm.Dispatcher(cfg) as disp:
+        try:
+            disp._backend.dispatch(x, idx, weights, quantize=True)
+        except moe_comm.BackendError as exc:
+            return str(exc)
+    return "no error"
+
+
+def test_collective_backends_refuse_to_quantize_rows_themselves():
+    for message in run_ranks(_rank_collective_quantize, 1, timeout_s=60):
+        assert "reference backend" in message and "moe_comm.fp8.pack" in message, message
