@@ -397,10 +397,11 @@ def _ahead_scenario(rank, world, gloo, backend: str, section: dict) -> None:
 
 
 # Capacity drops, SM budgets, many local experts and the one-block layout are decided on each
-# rank alone (the peers only fill its slabs, as at every world): worlds 1, 2 and 4 check them, and
-# world 8 (a fifth of the GPU suite when its ranks time-slice one GPU) runs the scenarios whose
-# work grows with the peers: every routing eager and replayed, chunked arrivals, ranks ahead.
-PER_RANK_SCENARIOS_MAX_WORLD = 4
+# rank alone (the peers only fill its slabs, as at every world): worlds 1 and 2 check them, and
+# worlds 4 and 8 (the two slowest tests of the GPU suite when their ranks time-slice one GPU) run
+# the scenarios whose work grows with the peers: every routing eager and replayed, chunked
+# arrivals, ranks ahead.
+PER_RANK_SCENARIOS_MAX_WORLD = 2
 
 
 def _rank_main(rank: int, world: int, backend_id: str) -> None:
