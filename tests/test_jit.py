@@ -12,12 +12,16 @@ import torch
 
 from moe_comm import jit, nvshmem_build
 from moe_comm.errors import BackendError, CompileError, InputError
-from moe_comm.kernels import kernel_defines
+from moe_comm.kernels import fp8_dispatch_defines, kernel_defines
 from toy_kernels import TOY_SOURCE
 
 
 def cubins(directory):
     return sorted(p.name for p in directory.iterdir() if p.suffix == ".cubin")
+
+
+def path_is_cubin(path) -> bool:
+    return path.exists() and path.read_bytes()[:4] == b"\x7fELF"  # an ELF cubin (SASS for a real arch)
 
 
 def test_cache_dir_precedence(monkeypatch, tmp_path):
@@ -189,6 +193,17 @@ def test_put_transport_kernels_compile_against_nvshmem_headers(nvrtc, cache):
         assert path.name.startswith(f"{name}-bf16_hidden7168_put_transport1_topk8-sm90-")
         assert b"nvshmemi_device_state_d" in path.read_bytes()  # NVSHMEM's state lives in the module
     assert calls == ["dispatch", "combine"]
+
+
+def test_fp8_dispatch_build_compiles_for_both_transports(nvrtc, cache):
+    """FP8 dispatch's build (packed rows in the slabs, config-dtype rows quantized on the way) for a
+    hidden whose packed rows end in zero padding (3 scales: 12 bytes, 4 of padding), with puts too."""
+    directory, calls = cache
+    for put, toolchain in ((False, jit.Toolchain()), (True, nvshmem_build.toolchain())):
+        defines = fp8_dispatch_defines(torch.float16, 384, 4, put_transport=put)
+        assert defines["FP8_ROWS"] == 1 and defines.get("PUT_TRANSPORT", 0) == int(put)
+        assert path_is_cubin(jit.compile_source("dispatch", arch="sm_90", defines=defines, toolchain=toolchain))
+    assert calls == ["dispatch", "dispatch"]
 
 
 def test_missing_nvshmem_headers_name_the_wheel(monkeypatch):
