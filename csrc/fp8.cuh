@@ -88,7 +88,6 @@ __device__ __forceinline__ void fp8_encode(const float (&f)[N], float scale, u32
     }
 }
 
-
 // Warp-wide: unit v0 (RowParts numbering) of the DTYPE row at src_row, quantized: lane l gets
 // the e4m3 vectors v0 + 32 u (u < VPL, those < FP8_VECS) in vals and, first in its group, the
 // scale of their block in scales[u].
