@@ -12,7 +12,7 @@ returns scale-free relative errors: ``max |got - want| / max |want|`` per tensor
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -22,7 +22,8 @@ from moe_comm.balancing import expert_counts
 from moe_comm.layer import MoELayer, MoEWeights
 from moe_comm.reference import build_dense_weights, dense_balancing_losses, dense_forward, dense_route
 
-__all__ = ["FFN", "BASE", "TOLERANCE", "rel_err", "gather", "layer_errors", "assert_within", "paired_layer_errors"]
+__all__ = ["FFN", "BASE", "TOLERANCE", "rel_err", "gather", "layer_errors", "assert_within", "paired_layer_errors",
+           "decode_graph_errors"]
 
 FFN = 24  # a multiple of 8: bf16 rows of 48 bytes, as torch._grouped_mm needs
 # Small shapes so one spawn runs every scenario in a few seconds on a 2-core CI machine;
@@ -184,6 +185,45 @@ def layer_errors(disp: Dispatcher, rank: int, world_size: int, renormalize: Opti
             counted = torch.equal(layer.pending_load, expert_counts(routings[i][rank].to(device), cfg.num_experts))
             errors[f"pending_load{i}"] = 0.0 if counted else 1.0
     disp.check()
+    return errors
+
+
+def decode_graph_errors(layer: MoELayer, tokens: Callable[[int], torch.Tensor], buckets: Sequence[int],
+                        order: Sequence[int], before_replay: Callable[[], None] = lambda: None) -> dict:
+    """Graph-replayed forwards of ``layer`` (on a CUDA device) against eager calls, as a decode loop runs them.
+
+    One forward per batch size of ``buckets`` is captured, in that order, sharing one memory pool,
+    after a warm-up of each on a side stream (torch's whole-network capture recipe). Then for each
+    batch size ``n`` of ``order``: ``before_replay()`` (e.g. to move state the graphs must read),
+    fresh tokens ``tokens(n)`` ``[n, H]`` into the graph's static input, its output filled with NaN
+    (a row the replay does not write fails the comparison), a replay, and an eager call on the same
+    tokens. Returns ``{"replay i (T=n)": rel_err}``; no gradients are recorded.
+    """
+    static = {n: tokens(n) for n in buckets}
+    graphs = {}
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for n in buckets:
+                layer(static[n])
+        torch.cuda.current_stream().wait_stream(side)
+        pool = torch.cuda.graph_pool_handle()
+        for n in buckets:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = layer(static[n])
+            graphs[n] = (graph, out)
+        errors = {}
+        for step, n in enumerate(order):
+            before_replay()
+            x = tokens(n)
+            graph, out = graphs[n]
+            static[n].copy_(x)
+            out.fill_(float("nan"))
+            graph.replay()
+            got = out.clone()
+            errors[f"replay {step} (T={n})"] = rel_err(got, layer(x))
     return errors
 
 

@@ -22,7 +22,7 @@ from torch import nn
 import moe_comm
 from moe_comm.layer import MoELayer
 from gpu_backends import dist_backend_for, gpus_needed
-from layer_checks import BASE, FFN, TOLERANCE, assert_within, layer_errors, rel_err
+from layer_checks import BASE, FFN, TOLERANCE, assert_within, decode_graph_errors, layer_errors, rel_err
 from multirank import run_ranks
 
 pytestmark = pytest.mark.gpu
@@ -133,32 +133,11 @@ def _decode_graphs(disp: moe_comm.Dispatcher, rank: int) -> dict:
     def tokens(n):
         return torch.randn(n, cfg.hidden, generator=gen).to(device=device, dtype=cfg.torch_dtype)
 
-    static = {n: tokens(n) for n in DECODE_TOKENS}
-    graphs = {}
-    with torch.no_grad():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for n in DECODE_TOKENS:
-                layer(static[n])
-        torch.cuda.current_stream().wait_stream(side)
-        pool = torch.cuda.graph_pool_handle()
-        for n in DECODE_TOKENS:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = layer(static[n])
-            graphs[n] = (graph, out)
-        errors = {}
-        for step, n in enumerate(DECODE_TOKENS * 2):
-            # The bias moves in place between replays (as update_expert_bias does): graphs must see it.
-            layer.expert_bias.copy_(torch.randn(cfg.num_experts, generator=gen).to(device) * 0.2)
-            x = tokens(n)
-            graph, out = graphs[n]
-            static[n].copy_(x)
-            out.fill_(float("nan"))
-            graph.replay()
-            got = out.clone()
-            errors[f"replay {step} (T={n})"] = rel_err(got, layer(x))
+    def move_bias():
+        # The bias moves in place between replays (as update_expert_bias does): graphs must see it.
+        layer.expert_bias.copy_(torch.randn(cfg.num_experts, generator=gen).to(device) * 0.2)
+
+    errors = decode_graph_errors(layer, tokens, DECODE_TOKENS, DECODE_TOKENS * 2, before_replay=move_bias)
     disp.check()
     return errors
 

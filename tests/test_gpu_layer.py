@@ -28,7 +28,7 @@ from torch import nn
 import moe_comm
 from moe_comm.layer import MoELayer
 from gpu_backends import GPU_BACKENDS, dist_backend_for, gpus_needed
-from layer_checks import BASE, FFN, TOLERANCE, assert_within, layer_errors, rel_err
+from layer_checks import BASE, FFN, TOLERANCE, assert_within, decode_graph_errors, layer_errors, rel_err
 from multirank import run_ranks
 
 pytestmark = pytest.mark.gpu
@@ -141,38 +141,13 @@ def _train_graph(disp: moe_comm.Dispatcher, rank: int, optimizer_in_graph: bool)
 def _decode_graphs(disp: moe_comm.Dispatcher, rank: int) -> dict:
     """One captured forward per bucket on one layer, sharing a memory pool; replays against eager calls."""
     cfg = disp.config
-    device = disp.device
     gen = torch.Generator().manual_seed(500 + rank)
     layer = MoELayer(cfg, FFN, dispatcher=disp, seed=21)
 
     def tokens(num_tokens):
-        return torch.randn(num_tokens, cfg.hidden, generator=gen).to(device=device, dtype=cfg.torch_dtype)
+        return torch.randn(num_tokens, cfg.hidden, generator=gen).to(device=disp.device, dtype=cfg.torch_dtype)
 
-    static = {n: tokens(n) for n in DECODE_BUCKETS}
-    graphs = {}
-    with torch.no_grad():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for n in DECODE_BUCKETS:
-                layer(static[n])
-        torch.cuda.current_stream().wait_stream(side)
-        pool = torch.cuda.graph_pool_handle()
-        for n in DECODE_BUCKETS:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = layer(static[n])
-            graphs[n] = (graph, out)
-
-        errors = {}
-        for step, n in enumerate(DECODE_ORDER):
-            x = tokens(n)
-            graph, out = graphs[n]
-            static[n].copy_(x)
-            out.fill_(float("nan"))  # a row the replay does not write fails the comparison
-            graph.replay()
-            got = out.clone()
-            errors[f"replay {step} (T={n})"] = rel_err(got, layer(x))
+    errors = decode_graph_errors(layer, tokens, DECODE_BUCKETS, DECODE_ORDER)
     disp.check()
     return errors
 
