@@ -62,10 +62,16 @@ class PackedRouting:
         self.num_tokens = num_tokens
         self._buffer = buffer
         self._starts = starts
-        self._slab = ((world, max_tokens_per_rank, topk), (max_tokens_per_rank * topk, topk, 1))
-        self._world, self._topk = world, topk
+        self._world, self._max_tokens_per_rank, self._topk = world, max_tokens_per_rank, topk
         base = buffer.data_ptr()
-        self.addresses = kernels.RoutingAddresses(*(base + 4 * start for start in starts))
+        send_mask, dest_rank, recv_pos, recv_weight = starts
+        self.addresses = kernels.RoutingAddresses(base + 4 * send_mask, base + 4 * dest_rank, base + 4 * recv_pos,
+                                                  base + 4 * recv_weight)
+
+    def _slab(self) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+        """Size and stride of a ``[W, M, K]`` slab view."""
+        rows_k = self._max_tokens_per_rank * self._topk
+        return (self._world, self._max_tokens_per_rank, self._topk), (rows_k, self._topk, 1)
 
     @functools.cached_property
     def send_mask(self) -> torch.Tensor:
@@ -78,11 +84,11 @@ class PackedRouting:
 
     @functools.cached_property
     def recv_pos(self) -> torch.Tensor:
-        return self._buffer.as_strided(*self._slab, self._starts[2])
+        return self._buffer.as_strided(*self._slab(), self._starts[2])
 
     @functools.cached_property
     def recv_weight(self) -> torch.Tensor:
-        return self._buffer.view(torch.float32).as_strided(*self._slab, self._starts[3])
+        return self._buffer.view(torch.float32).as_strided(*self._slab(), self._starts[3])
 
 
 def _addresses(routing) -> kernels.RoutingAddresses:
@@ -111,9 +117,15 @@ def _separate_outputs(num_tokens: int, world: int, max_tokens_per_rank: int, top
             torch.empty(num_local_experts, dtype=torch.int32, device=device), routing)
 
 
-def _packed_outputs(num_tokens: int, world: int, max_tokens_per_rank: int, topk: int, num_local_experts: int,
-                    device: torch.device) -> tuple:
-    """``expert_offsets``, ``tokens_per_expert [L]`` int32 and a :class:`PackedRouting`, all in one allocation."""
+@functools.lru_cache(maxsize=None)
+def _packed_starts(num_tokens: int, world: int, max_tokens_per_rank: int, topk: int,
+                   num_local_experts: int) -> tuple[int, tuple[int, ...]]:
+    """Words of a packed output allocation and the word offset of each piece: ``expert_offsets``,
+    ``tokens_per_expert``, then the routing's ``send_mask``, ``dest_rank``, ``recv_pos``, ``recv_weight``.
+
+    Cached: an eager step at decode sizes is host-bound, and the arithmetic depends only on its
+    arguments (a few distinct token counts per dispatcher).
+    """
     slab_words = world * max_tokens_per_rank * topk
     sizes = (num_local_experts, num_local_experts, -(-num_tokens * world // 4), num_tokens * topk, slab_words,
              slab_words)
@@ -122,8 +134,15 @@ def _packed_outputs(num_tokens: int, world: int, max_tokens_per_rank: int, topk:
     for size in sizes:
         starts.append(words)
         words += -(-size // _PIECE_WORDS) * _PIECE_WORDS
+    return words, tuple(starts)
+
+
+def _packed_outputs(num_tokens: int, world: int, max_tokens_per_rank: int, topk: int, num_local_experts: int,
+                    device: torch.device) -> tuple:
+    """``expert_offsets``, ``tokens_per_expert [L]`` int32 and a :class:`PackedRouting`, all in one allocation."""
+    words, starts = _packed_starts(num_tokens, world, max_tokens_per_rank, topk, num_local_experts)
     buffer = torch.empty(words, dtype=torch.int32, device=device)
-    routing = PackedRouting(num_tokens, buffer, tuple(starts[2:]), world, max_tokens_per_rank, topk)
+    routing = PackedRouting(num_tokens, buffer, starts[2:], world, max_tokens_per_rank, topk)
     return (buffer.as_strided((num_local_experts,), (1,), starts[0]),
             buffer.as_strided((num_local_experts,), (1,), starts[1]), routing)
 
