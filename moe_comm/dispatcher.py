@@ -245,7 +245,7 @@ class Dispatcher:
             x_fp8, x_scales = x
             _check_rows("x_fp8", x_fp8, None, cfg.hidden, (fp8.FP8_DTYPE,), self.device, "float8_e4m3fn")
             _check_rows("x_scales", x_scales, x_fp8.shape[0], cfg.hidden // fp8.BLOCK, (torch.float32,),
-                          self.device, "float32")
+                        self.device, "float32")
             num_tokens = x_fp8.shape[0]
             x = x_fp8
         else:
@@ -257,8 +257,7 @@ class Dispatcher:
         if torch.compiler.is_compiling():
             result = ops.dispatch_fp8(self._id, x.detach(), x_scales, topk_idx, topk_weights.detach())
         else:
-            with torch.no_grad():
-                result = self._fp8.dispatch(backend, x, x_scales, topk_idx, topk_weights)
+            result = self._fp8.dispatch(backend, x, x_scales, topk_idx, topk_weights)
         out_x, out_scales = fp8.unpack(result.x, cfg.hidden)
         handle = DispatchHandle(self._id, result.routing, topk_weights)
         if cfg.check_every_step:

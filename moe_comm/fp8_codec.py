@@ -45,14 +45,17 @@ class Fp8Codec:
     def dispatch(self, backend: Backend, x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: torch.Tensor,
                  topk_weights: torch.Tensor, *, separate_outputs: bool = False) -> DispatchResult:
         """FP8 dispatch on ``backend`` of config-dtype ``x [T, H]`` (``x_scales`` None) or of the pair
-        ``x [T, H]`` e4m3 and ``x_scales [T, H/128]`` float32; the result's ``x`` holds packed rows."""
+        ``x [T, H]`` e4m3 and ``x_scales [T, H/128]`` float32; the result's ``x`` holds packed rows.
+        No autograd graph is recorded: the kernels read ``x`` by address, and packing runs without one."""
         if x_scales is None and backend.quantizes_fp8 and self._kernels is not None and not self._round_scale:
             return backend.dispatch(x, topk_idx, topk_weights, separate_outputs=separate_outputs, quantize=True)
         return backend.dispatch(self.pack(x, x_scales), topk_idx, topk_weights, separate_outputs=separate_outputs)
 
+    @torch.no_grad()
     def pack(self, x: torch.Tensor, x_scales: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Packed rows ``[T, packed_row_bytes(H)]`` uint8 of config-dtype ``x [T, H]`` (quantized), or of
-        the pair ``x [T, H]`` e4m3 and ``x_scales [T, H/128]`` float32; one pass on a GPU."""
+        the pair ``x [T, H]`` e4m3 and ``x_scales [T, H/128]`` float32; one pass on a GPU. Records no
+        autograd graph (bytes carry no gradient; ``Dispatcher.dequantize`` gives the rows theirs)."""
         kernels = self._kernels
         if x_scales is not None:
             return kernels.pack_pairs(x, x_scales) if kernels is not None else fp8.pack(x, x_scales)
