@@ -790,7 +790,6 @@ extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) dispatch(
     const int block = blockIdx.x;
     const int early = num_senders < grid ? num_senders : 0;  // first block of the early group
     const int layout_first = grid - layout_blocks;
-    const u8* rows = static_cast<const u8*>(x);
     u8* out = static_cast<u8*>(out_x);
     const u8* recv = reinterpret_cast<const u8*>(s_peer[rank] + off_recv_x);
 
@@ -811,6 +810,8 @@ extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) dispatch(
     }
 
     if (block >= early) {
+        // FP8: this rank's rows were packed into its own slab, where the own expansion reads them.
+        bool own_rows_packed = false;
 #if FP8_ROWS
         // Own rows packed while the metadata travels, on the blocks that do not lay out (all of the
         // group when every one does); the barrier below orders them before the own expansion. With
@@ -821,11 +822,11 @@ extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) dispatch(
                 const i64 warps_per_block = blockDim.x >> 5;
                 u8* own_slab = reinterpret_cast<u8*>(s_peer[rank] + off_recv_x) +
                                static_cast<i64>(rank) * max_tokens_per_rank * ROW_BYTES;
-                quantize_rows<FP8_UNIT_VPL>(rows, num_tokens, own_slab,
+                quantize_rows<FP8_UNIT_VPL>(static_cast<const u8*>(x), num_tokens, own_slab,
                                             (block - early) * warps_per_block + (threadIdx.x >> 5),
                                             (packers_end - early) * warps_per_block);
             }
-            rows = nullptr;  // the own expansion copies them from the own slab
+            own_rows_packed = true;
         }
 #endif
         block_wait_flags(s_peer[rank], world, CH_TO_DEST, FLAG_META, epoch, status, TIMEOUT_TO_DEST_ARRIVAL,
@@ -836,8 +837,9 @@ extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) dispatch(
                            expert_offsets, tokens_per_expert, block_counts, barrier_flags);
         }
         blocks_barrier(barrier_flags + grid, block, early, grid, epoch, status, rank, timeout_ns);
-        expand_rows(batch, slab_rows(OWN_SLAB, rank, world, max_tokens_per_rank, grid - early), early, recv, rows,
-                    quantize && rows != nullptr, num_tokens, rank, max_tokens_per_rank, recv_pos, capacity_rows, out);
+        expand_rows(batch, slab_rows(OWN_SLAB, rank, world, max_tokens_per_rank, grid - early), early, recv,
+                    own_rows_packed ? nullptr : static_cast<const u8*>(x), quantize && !own_rows_packed, num_tokens,
+                    rank, max_tokens_per_rank, recv_pos, capacity_rows, out);
         // The segments only after the own rows: their loads would delay the first row copies.
         load_segments(smem, smem + num_local_experts, smem + 2 * num_local_experts, expert_offsets, tokens_per_expert, num_local_experts);
         zero_padding(smem, smem + num_local_experts, smem + 2 * num_local_experts, num_local_experts, capacity_rows, early, out);
