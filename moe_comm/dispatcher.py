@@ -68,10 +68,6 @@ class DispatchOutput:
     quantized_from: Optional[torch.Tensor] = None
 
 
-def _describe(name: str, tensor: torch.Tensor) -> str:
-    return f"{name} of shape {tuple(tensor.shape)}, dtype {tensor.dtype}, on {tensor.device}"
-
-
 def _check_rows(name: str, tensor, num_rows: Optional[int], num_cols: int, dtypes: tuple, device: torch.device,
                 dtype_text: str) -> None:
     """Raise ``InputError`` unless ``tensor`` is a contiguous ``[num_rows, num_cols]`` tensor (None: any number
