@@ -15,6 +15,7 @@ eagerly and under CUDA-graph capture alike.
 from __future__ import annotations
 
 import ctypes
+import re
 import struct
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
@@ -33,6 +34,7 @@ __all__ = [
     "RoutingAddresses",
     "kernel_defines",
     "fp8_dispatch_defines",
+    "device_builds",
     "compile_for_config",
     "DispatchKernels",
     "CombineKernels",
@@ -74,22 +76,40 @@ def fp8_dispatch_defines(dtype: torch.dtype, hidden: int, topk: int, *, put_tran
     return {**fp8_defines(dtype, hidden, topk, put_transport=put_transport), "FP8_ROWS": 1}
 
 
-def compile_for_config(config, arch: str) -> list:
-    """Compile (or find cached) both kernel files for ``arch`` as ``config`` runs them; returns the cubin paths.
+def device_builds(dtype: torch.dtype, hidden: int, topk: int, *, arch: str, put_transport: bool,
+                  fp8_dispatch: bool) -> list[jit.Build]:
+    """The kernel builds a device backend of rows of ``hidden`` ``dtype`` and top-``topk`` loads on ``arch``.
 
-    The defines are the config's dtype, hidden and topk; a config on the ``nvshmem`` backend with
-    ``transport: put`` gets the put-transport build (NVSHMEM's headers must be installed), one with
-    ``dispatch_dtype`` also the dispatch build for packed FP8 rows and the packing kernels. No GPU needed.
+    In this order: dispatch and combine (with NVSHMEM's headers for ``put_transport``); with
+    ``fp8_dispatch`` then the dispatch build for packed FP8 rows and, from compute capability 8.9
+    (``FP8_KERNELS_MIN_ARCH``), the packing kernels of ``csrc/fp8.cu`` that the dispatcher's FP8
+    codec loads.
+    """
+    toolchain = nvshmem_build.toolchain() if put_transport else jit.Toolchain()
+    defines = kernel_defines(dtype, hidden, topk, put_transport=put_transport)
+    builds = [("dispatch", defines, toolchain), ("combine", defines, toolchain)]
+    if fp8_dispatch:
+        builds.append(("dispatch", fp8_dispatch_defines(dtype, hidden, topk, put_transport=put_transport), toolchain))
+        if _capability(arch) >= FP8_KERNELS_MIN_ARCH:
+            builds.append(("fp8", fp8_defines(dtype, hidden), jit.Toolchain()))
+    return builds
+
+
+def _capability(arch: str) -> tuple[int, int]:
+    """``(major, minor)`` of an NVRTC architecture such as ``sm_90`` or ``sm_100a``."""
+    number = int(re.match(r"sm_(\d+)", arch).group(1))
+    return number // 10, number % 10
+
+
+def compile_for_config(config, arch: str) -> list:
+    """Compile (or find cached) the kernels ``config`` runs on ``arch`` (:func:`device_builds`, all at
+    once); returns the cubin paths. A config on the ``nvshmem`` backend with ``transport: put`` gets the
+    put-transport builds (NVSHMEM's headers must be installed). No GPU needed.
     """
     put = config.backend == "nvshmem" and config.nvshmem.transport == "put"
-    defines = kernel_defines(config.torch_dtype, config.hidden, config.topk, put_transport=put)
-    toolchain = nvshmem_build.toolchain() if put else jit.Toolchain()
-    builds = [("dispatch", defines), ("combine", defines)]
-    if config.dispatch_dtype is not None:  # FP8 dispatch's build for packed rows (see backends/device.py)
-        builds.append(("dispatch", fp8_dispatch_defines(config.torch_dtype, config.hidden, config.topk,
-                                                        put_transport=put)))
-        builds.append(("fp8", fp8_defines(config.torch_dtype, config.hidden)))
-    return [jit.compile_source(name, arch=arch, defines=row_defines, toolchain=toolchain) for name, row_defines in builds]
+    builds = device_builds(config.torch_dtype, config.hidden, config.topk, arch=arch, put_transport=put,
+                           fp8_dispatch=config.dispatch_dtype is not None)
+    return jit.compile_many(builds, arch=arch)
 
 
 FP8_KERNELS_MIN_ARCH = (8, 9)  # csrc/fp8.cu converts with cvt.rn.satfinite.e4m3x2.f32

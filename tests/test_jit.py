@@ -7,12 +7,14 @@ machine without a GPU; they skip with the reason when it cannot be loaded (fixtu
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
 from moe_comm import jit, nvshmem_build
 from moe_comm.errors import BackendError, CompileError, InputError
-from moe_comm.kernels import fp8_dispatch_defines, kernel_defines
+from moe_comm.kernels import fp8_defines, fp8_dispatch_defines, kernel_defines
 from toy_kernels import TOY_SOURCE
 
 
@@ -154,6 +156,35 @@ def test_compile_all_builds_every_packaged_kernel(nvrtc, cache):
     names = {p.name.split("-", 1)[0] for p in paths}
     packaged = set(jit._kernel_sources())
     assert names == packaged
+
+
+def test_compile_many_runs_the_builds_at_once_and_returns_them_in_order(nvrtc, cache, monkeypatch):
+    directory, calls = cache
+    # Each compile waits at a barrier for the other: they pass only if both run at the same time.
+    meeting = threading.Barrier(2, timeout=120)
+    counting = jit._nvrtc_compile
+
+    def compile_when_both_arrived(name, source, headers, options):
+        meeting.wait()
+        return counting(name, source, headers, options)
+
+    monkeypatch.setattr(jit, "_nvrtc_compile", compile_when_both_arrived)
+    builds = [("combine", kernel_defines(torch.bfloat16, 256, 2), jit.Toolchain()),
+              ("fp8", fp8_defines(torch.bfloat16, 256), jit.Toolchain())]
+    paths = jit.compile_many(builds, arch="sm_90")
+    assert sorted(calls) == ["combine", "fp8"]
+    monkeypatch.setattr(jit, "_nvrtc_compile", counting)
+    assert paths == [jit.compile_source(name, arch="sm_90", defines=defines) for name, defines, _ in builds]
+    assert len(calls) == 2, "compile_many's cubins are the cache entries compile_source finds"
+
+
+def test_compile_many_raises_the_first_failure_after_every_build_ended(nvrtc, cache):
+    directory, _ = cache
+    builds = [("combine", kernel_defines(torch.bfloat16, 256, 2), jit.Toolchain()),
+              ("no_such_kernel", {}, jit.Toolchain())]
+    with pytest.raises(CompileError, match="no_such_kernel"):
+        jit.compile_many(builds, arch="sm_90")
+    assert [name.split("-")[0] for name in cubins(directory)] == ["combine"]
 
 
 def test_modules_do_not_import_cuda_bindings_at_import_time():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import re
 
+import pytest
 import torch
 
 from moe_comm import driver, kernels, protocol
@@ -148,3 +149,37 @@ def test_fp8_launchers_pass_the_parameters_fp8_cu_declares(monkeypatch):
     # The prepared parameters are refilled per launch: the row counts of both calls.
     assert [values[1] for values in recorders[("fp8", "quantize_pack")].values] == [3, 5]
     assert recorders[("fp8", "pack_pairs")].values[0][:3] == [pairs[0].data_ptr(), pairs[1].data_ptr(), 3]
+
+
+def test_device_builds_list_what_a_device_backend_loads():
+    """Dispatch and combine, then FP8 dispatch's build and, from sm_89, csrc/fp8.cu (always without
+    NVSHMEM's headers: the FP8 codec loads it with the plain toolchain)."""
+    from moe_comm import jit
+
+    plain = kernels.device_builds(torch.bfloat16, 512, 2, arch="sm_90", put_transport=False, fp8_dispatch=False)
+    defines = kernels.kernel_defines(torch.bfloat16, 512, 2)
+    assert plain == [("dispatch", defines, jit.Toolchain()), ("combine", defines, jit.Toolchain())]
+    with_fp8 = kernels.device_builds(torch.bfloat16, 512, 2, arch="sm_90", put_transport=False, fp8_dispatch=True)
+    assert with_fp8[:2] == plain
+    assert with_fp8[2:] == [("dispatch", kernels.fp8_dispatch_defines(torch.bfloat16, 512, 2), jit.Toolchain()),
+                            ("fp8", kernels.fp8_defines(torch.bfloat16, 512), jit.Toolchain())]
+    # csrc/fp8.cu converts with sm_89 instructions: an A100 packs with the torch reference instead.
+    on_a100 = kernels.device_builds(torch.bfloat16, 512, 2, arch="sm_80", put_transport=False, fp8_dispatch=True)
+    assert [name for name, _, _ in on_a100] == ["dispatch", "combine", "dispatch"]
+    assert [name for name, _, _ in kernels.device_builds(torch.bfloat16, 512, 2, arch="sm_100a", put_transport=False,
+                                                         fp8_dispatch=True)] == ["dispatch", "combine", "dispatch", "fp8"]
+
+
+def test_device_builds_of_the_put_transport_use_nvshmem_headers_except_fp8_cu():
+    from moe_comm import jit, nvshmem_build
+    from moe_comm.errors import BackendError
+
+    try:
+        toolchain = nvshmem_build.toolchain()
+    except BackendError as exc:
+        pytest.skip(f"no NVSHMEM headers here: {exc}")
+    builds = kernels.device_builds(torch.float16, 256, 4, arch="sm_90", put_transport=True, fp8_dispatch=True)
+    assert [(name, build_toolchain.options) for name, _, build_toolchain in builds] == [
+        ("dispatch", toolchain.options), ("combine", toolchain.options), ("dispatch", toolchain.options),
+        ("fp8", jit.Toolchain().options)]
+    assert all(defines.get("PUT_TRANSPORT") == 1 for _, defines, _ in builds[:3])

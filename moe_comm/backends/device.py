@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-from .. import fp8, jit, kernels, nvshmem_build, protocol
+from .. import driver, fp8, jit, kernels, protocol
 from ..agreement import agree
 from ..routing import Routing
 from ..config import Config
@@ -221,10 +221,14 @@ class DeviceBackend(Backend):
         agree(self.group, self._load_kernels, error=BackendError, what="kernel setup")
 
     def _load_kernels(self) -> None:
-        """Compile (cached) and load every kernel on this rank."""
+        """Compile (cached, every build at once) and load every kernel on this rank."""
         cfg = self.config
-        defines = kernels.kernel_defines(self.dtype, cfg.hidden, cfg.topk, put_transport=self._put_transport)
-        toolchain = nvshmem_build.toolchain() if self._put_transport else jit.Toolchain()
+        arch = driver.arch_of(self.device)
+        builds = kernels.device_builds(self.dtype, cfg.hidden, cfg.topk, arch=arch, put_transport=self._put_transport,
+                                       fp8_dispatch=cfg.dispatch_dtype is not None)
+        # A cold cache compiles every build at once here; the loads below then find them.
+        jit.compile_many(builds, arch=arch)
+        _, defines, toolchain = builds[0]
         args = kernels.CommArgs(
             peers_ptr=self._memory.peer_ptrs_tensor.data_ptr(),
             rank=self.rank,
@@ -251,9 +255,9 @@ class DeviceBackend(Backend):
         # packed, or quantizes config-dtype rows as it sends them.
         self._fp8_dispatch_kernels = None
         if cfg.dispatch_dtype is not None:
+            _, fp8_defines, _ = builds[2]
             self._fp8_dispatch_kernels = dispatch_kernels(
-                kernels.fp8_dispatch_defines(self.dtype, cfg.hidden, cfg.topk, put_transport=self._put_transport),
-                dataclasses.replace(self.regions, row_bytes=fp8.packed_row_bytes(cfg.hidden)))
+                fp8_defines, dataclasses.replace(self.regions, row_bytes=fp8.packed_row_bytes(cfg.hidden)))
             self.quantizes_fp8 = True
         self._combine_kernels = kernels.CombineKernels(
             self.device, defines, args, self.regions, capacity_rows=self.capacity_rows, num_sms=cfg.num_sms,
