@@ -91,4 +91,11 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    code = main(sys.argv[1:])
+    # Leave without C++'s static destructors, as moe_comm.spawn's ranks do: after the process group
+    # is destroyed, torch can still hold a thread there (gloo, intermittently on 2-core hosts), and
+    # its destructor then aborts the finished process ("terminate called without an active
+    # exception", exit -6), which torchrun reports as a failed rank.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
