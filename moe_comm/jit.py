@@ -358,7 +358,8 @@ def compile_many(builds: Sequence[Build], *, arch: str) -> list[Path]:
     """
     _check_arch(arch)
     if len(builds) <= 1:
-        return [compile_source(name, arch=arch, defines=defines, toolchain=toolchain) for name, defines, toolchain in builds]
+        return [compile_source(name, arch=arch, defines=defines, toolchain=toolchain)
+                for name, defines, toolchain in builds]
     # At least two threads even on one core: a build waiting on another rank's file lock holds none.
     with ThreadPoolExecutor(max_workers=min(len(builds), max(2, os.cpu_count() or 1))) as pool:
         futures = [pool.submit(compile_source, name, arch=arch, defines=defines, toolchain=toolchain)
