@@ -57,6 +57,7 @@ __all__ = [
     "Defines",
     "MIN_ARCH",
     "Toolchain",
+    "arch_capability",
     "cache_dir",
     "canonical_defines",
     "compile_all",
@@ -208,11 +209,22 @@ def _read_kernel(name: str) -> str:
 
 
 def _check_arch(arch: str) -> None:
+    arch_capability(arch)
+
+
+def arch_capability(arch: str) -> tuple[int, int]:
+    """``(major, minor)`` of a real architecture such as ``sm_90`` or ``sm_100a``.
+
+    Raises:
+        InputError: ``arch`` is malformed, or older than ``sm_80`` (:data:`MIN_ARCH`).
+    """
     if not isinstance(arch, str) or not _ARCH_RE.fullmatch(arch):
         raise InputError(f"arch: got {arch!r}, expected a real GPU architecture such as 'sm_90' or 'sm_90a'")
-    if int(arch[3:].rstrip("af")) < MIN_ARCH:
+    number = int(arch[3:].rstrip("af"))
+    if number < MIN_ARCH:
         raise InputError(f"arch: got {arch!r}; moe_comm's kernels need sm_{MIN_ARCH} or newer "
                          f"(compute capability {MIN_ARCH // 10}.{MIN_ARCH % 10}: Ampere, Hopper, Blackwell)")
+    return number // 10, number % 10
 
 
 def _check_name(name: str) -> None:

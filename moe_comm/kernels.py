@@ -15,7 +15,6 @@ eagerly and under CUDA-graph capture alike.
 from __future__ import annotations
 
 import ctypes
-import re
 import struct
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
@@ -84,21 +83,19 @@ def device_builds(dtype: torch.dtype, hidden: int, topk: int, *, arch: str, put_
     ``fp8_dispatch`` then the dispatch build for packed FP8 rows and, from compute capability 8.9
     (``FP8_KERNELS_MIN_ARCH``), the packing kernels of ``csrc/fp8.cu`` that the dispatcher's FP8
     codec loads.
+
+    Raises:
+        InputError: ``arch`` is not a real architecture of sm_80 or newer.
     """
+    capability = jit.arch_capability(arch)
     toolchain = nvshmem_build.toolchain() if put_transport else jit.Toolchain()
     defines = kernel_defines(dtype, hidden, topk, put_transport=put_transport)
     builds = [("dispatch", defines, toolchain), ("combine", defines, toolchain)]
     if fp8_dispatch:
         builds.append(("dispatch", fp8_dispatch_defines(dtype, hidden, topk, put_transport=put_transport), toolchain))
-        if _capability(arch) >= FP8_KERNELS_MIN_ARCH:
+        if capability >= FP8_KERNELS_MIN_ARCH:
             builds.append(("fp8", fp8_defines(dtype, hidden), jit.Toolchain()))
     return builds
-
-
-def _capability(arch: str) -> tuple[int, int]:
-    """``(major, minor)`` of an NVRTC architecture such as ``sm_90`` or ``sm_100a``."""
-    number = int(re.match(r"sm_(\d+)", arch).group(1))
-    return number // 10, number % 10
 
 
 def compile_for_config(config, arch: str) -> list:

@@ -170,6 +170,14 @@ def test_device_builds_list_what_a_device_backend_loads():
                                                          fp8_dispatch=True)] == ["dispatch", "combine", "dispatch", "fp8"]
 
 
+def test_device_builds_name_a_bad_architecture():
+    from moe_comm.errors import InputError
+
+    for arch in ("sm9x", "sm_75"):
+        with pytest.raises(InputError, match=f"arch: got '{arch}'"):
+            kernels.device_builds(torch.bfloat16, 512, 2, arch=arch, put_transport=False, fp8_dispatch=True)
+
+
 def test_device_builds_of_the_put_transport_use_nvshmem_headers_except_fp8_cu():
     from moe_comm import jit, nvshmem_build
     from moe_comm.errors import BackendError
