@@ -13,26 +13,27 @@ the test suite's harness (``tests/multirank.py``) is a thin wrapper over it. It 
   dumped (``faulthandler`` on SIGUSR1), they are killed and reaped, and the error names them;
 * every child destroys its process group, and every child is joined: no zombies.
 
-Processes start with the ``spawn`` method (CUDA cannot be used after ``fork``), so ``fn`` must be
-a module-level function and its arguments and return value must be picklable.
+Ranks are forked by a fork server (``multiprocessing``'s ``forkserver`` method) that has imported
+torch once, so a rank does not pay the seconds of a fresh ``import torch``; the server never
+initialises CUDA, so the ranks can. ``fn`` must be a module-level function and its arguments and
+return value must be picklable. A rank's environment is the caller's at the time of the call (not
+the server's, which started at the first call), plus the variables above.
 """
 
 from __future__ import annotations
 
-import atexit
 import faulthandler
 import multiprocessing
 import os
 import pickle
 import signal
-import sys
 import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
-from multiprocessing.context import SpawnContext, SpawnProcess
+from multiprocessing.context import ForkServerContext, ForkServerProcess
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
@@ -49,6 +50,10 @@ MULTICAST_OFF_ENV = {
     "NVSHMEM_DISABLE_NVLS": "1",
 }
 
+# What the fork server imports before it forks any rank: the seconds every fresh interpreter
+# would spend importing them. Never anything that initialises CUDA (a forked child could not).
+_FORK_SERVER_PRELOAD = ("torch", "torch.distributed")
+
 # Seconds a killed rank gets to write its stack dump before SIGKILL.
 _STACK_DUMP_WAIT_S = 0.5
 
@@ -62,14 +67,14 @@ def _child(
     writer: Connection,
 ) -> None:
     """Body of one rank process: join the group, run ``fn``, send ``("ok", bytes)`` or ``("error", text)``."""
+    # The fork server's environment is that of the first call: replace it with this call's.
+    os.environ.clear()
     os.environ.update(options["env"])
-    # Registered first, so it runs last of the exit handlers: after the interpreter has joined the
-    # non-daemon threads (a leaked one still hangs the exit, which is reported) and run the other
-    # handlers, the rank leaves before C++'s static destructors. There, a thread torch leaves
-    # running (seen after torch.compile and gloo runs on the 2-core CI machine, intermittently) can
-    # abort with "terminate called without an active exception" (exit -6), which would turn a rank
-    # that finished and reported into a failed one.
-    atexit.register(_exit_now)
+    # A forked rank leaves through os._exit once this function returns and its non-daemon threads
+    # are joined (a leaked one still hangs the exit, which is reported), before C++'s static
+    # destructors: there, a thread torch leaves running (seen after torch.compile and gloo runs on
+    # the 2-core CI machine) can abort with "terminate called without an active exception" (exit
+    # -6), which would turn a rank that finished and reported into a failed one.
     stack_file = open(Path(options["stack_dir"]) / f"rank{rank}.txt", "w")
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     dist = None
@@ -110,13 +115,6 @@ def _child(
         dist.destroy_process_group()
     # The stack dump stays registered until exit: a rank that hangs on its way out (a leaked
     # non-daemon thread, a stuck teardown) is dumped and killed like any other.
-
-
-def _exit_now() -> None:
-    """End the process at once with status 0 (stdout and stderr flushed first)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def _stacks(stack_dir: str, rank: int) -> str:
@@ -172,8 +170,8 @@ def _pickled_call(
 
 
 def _start_rank(
-    context: SpawnContext, rank: int, world_size: int, payload: bytes, store_port: int, options: dict
-) -> tuple[SpawnProcess, Connection]:
+    context: ForkServerContext, rank: int, world_size: int, payload: bytes, store_port: int, options: dict
+) -> tuple[ForkServerProcess, Connection]:
     """Start one rank process; returns it and the read end of the pipe it reports on."""
     reader, writer = context.Pipe(duplex=False)
     process = context.Process(
@@ -187,7 +185,7 @@ def _start_rank(
 
 
 def _wait_for_reports(
-    processes: list[SpawnProcess], readers: list[Connection], deadline: float, failure_grace_s: float
+    processes: list[ForkServerProcess], readers: list[Connection], deadline: float, failure_grace_s: float
 ) -> _Outcome:
     """Receive every rank's report until ``deadline``, or ``failure_grace_s`` after the first failure."""
     outcome = _Outcome(unfinished=set(range(len(processes))))
@@ -209,7 +207,7 @@ def _wait_for_reports(
     return outcome
 
 
-def _receive(reader: Connection, process: SpawnProcess) -> tuple[str, Any]:
+def _receive(reader: Connection, process: ForkServerProcess) -> tuple[str, Any]:
     """One rank's report, ``("ok", pickled value)`` or ``("error", text)``, also for a rank that died silently."""
     try:
         return reader.recv()
@@ -232,14 +230,14 @@ def _unfinished_reason(outcome: _Outcome, elapsed_s: float, timeout_s: float, fa
     return f"did not finish within the timeout of {timeout_s:.1f} s (hung); killed"
 
 
-def _kill_unfinished(outcome: _Outcome, processes: list[SpawnProcess], stack_dir: str, reason: str) -> None:
+def _kill_unfinished(outcome: _Outcome, processes: list[ForkServerProcess], stack_dir: str, reason: str) -> None:
     """Dump the stacks of the ranks that did not report, kill them, and record them as hung."""
     for rank, stacks in _kill_all({r: processes[r] for r in sorted(outcome.unfinished)}, stack_dir).items():
         outcome.hung.append(rank)
         outcome.failures[rank] = f"{reason}. Its Python stacks before the kill:\n{stacks}"
 
 
-def _wait_for_exits(outcome: _Outcome, processes: list[SpawnProcess], stack_dir: str, deadline: float) -> None:
+def _wait_for_exits(outcome: _Outcome, processes: list[ForkServerProcess], stack_dir: str, deadline: float) -> None:
     """Join the ranks that reported, by ``deadline`` but at least 5 s from now.
 
     A rank that reported still tears down its group; one that cannot (killed, with its stacks)
@@ -260,7 +258,7 @@ def _wait_for_exits(outcome: _Outcome, processes: list[SpawnProcess], stack_dir:
             outcome.failures[rank] = f"returned but exited with code {process.exitcode}"
 
 
-def _clean_up(processes: list[SpawnProcess], readers: list[Connection], stack_dir: str) -> None:
+def _clean_up(processes: list[ForkServerProcess], readers: list[Connection], stack_dir: str) -> None:
     """Kill and reap whatever still runs, close the pipes and remove the stack dumps (always runs)."""
     for process in processes:
         if process.is_alive():
@@ -326,7 +324,8 @@ def run_ranks(
         "127.0.0.1", 0, world_size, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
     )
     stack_dir = tempfile.mkdtemp(prefix="moe_comm_ranks_")
-    child_env = {**MULTICAST_OFF_ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), **(env or {})}
+    child_env = {**os.environ, **MULTICAST_OFF_ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
+                 **(env or {})}
     options = {
         "env": child_env,
         "stack_dir": stack_dir,
@@ -335,8 +334,10 @@ def run_ranks(
         "dist_backend": dist_backend,
         "delay_rank": delay_rank,
     }
-    context = multiprocessing.get_context("spawn")
-    processes: list[SpawnProcess] = []
+    context = multiprocessing.get_context("forkserver")
+    # Preloaded by the server once; a no-op once the server runs (the first call started it).
+    context.set_forkserver_preload(list(_FORK_SERVER_PRELOAD))
+    processes: list[ForkServerProcess] = []
     readers: list[Connection] = []
     try:
         start = time.monotonic()

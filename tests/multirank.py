@@ -5,7 +5,8 @@ this wrapper only turns its ``RankFailureError`` into the ``AssertionError`` pyt
 test failure, with every failed rank's traceback (or stacks, for a rank that hung) in the message.
 
 Rank functions must be module-level functions of a test module (they are pickled by name) and
-should run many scenarios per call: every spawn costs each rank a fresh ``import torch``.
+should run many scenarios per call: every spawn costs each rank a fork, a process group and
+usually a CUDA context (torch is imported once, by ``moe_comm.spawn``'s fork server).
 """
 
 from __future__ import annotations

@@ -44,6 +44,22 @@ def test_results_in_rank_order_with_env_and_delay():
     assert "MOE_COMM_TEST_VAR" not in os.environ
 
 
+def _caller_env(rank, world_size):
+    return {name: os.environ.get(name) for name in ("MOE_COMM_TEST_CALLER", "MOE_COMM_TEST_GONE")}
+
+
+def test_ranks_get_the_callers_environment_of_each_call(monkeypatch):
+    # The ranks are forked by a server that outlives one call: each call's environment must still
+    # be the caller's at that call, variables set and removed since the server started included.
+    monkeypatch.setenv("MOE_COMM_TEST_GONE", "set at the first call")
+    assert run_ranks(_caller_env, 1, timeout_s=60) == [
+        {"MOE_COMM_TEST_CALLER": None, "MOE_COMM_TEST_GONE": "set at the first call"}]
+    monkeypatch.delenv("MOE_COMM_TEST_GONE")
+    monkeypatch.setenv("MOE_COMM_TEST_CALLER", "second call")
+    assert run_ranks(_caller_env, 2, timeout_s=60) == [
+        {"MOE_COMM_TEST_CALLER": "second call", "MOE_COMM_TEST_GONE": None}] * 2
+
+
 def _fail_some(rank, world_size):
     if rank == 1:
         raise ValueError("rank one broke on purpose")
