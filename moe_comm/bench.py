@@ -7,11 +7,12 @@ events (a host clock on CPU), with the inputs rotated over several sets so that 
 flatter. Before each measurement the ranks are aligned: for a graph replay on the GPU (a short
 spin kernel covers the host's enqueueing, then an all_reduce that every GPU leaves at the same
 moment, then the start event), so the time is the replay's, as in a decode loop whose steps keep
-the ranks in lockstep; for eager calls on the host (an all_reduce and a synchronize), then
-``EAGER_CALLS`` calls are issued back to back between the events and the time is per call: the
-Python and launch work of a call shows wherever it exceeds the GPU's, as in a training or decode
-loop. (A lone call right after a synchronize measures the host waking up instead: on the GPU
-machines one eager dispatch took 150 us of host time there against 40 us back to back.)
+the ranks in lockstep; for eager calls on the host (an all_reduce and a synchronize), then one
+untimed call, then ``EAGER_CALLS`` calls issued back to back between the events, and the time is
+per call: the Python and launch work of a call shows wherever it exceeds the GPU's, as in a
+training or decode loop. (The first call after a synchronize pays the host's wake-up, once per
+step in a loop, not per call: on the GPU machines one eager dispatch took 150 us of host time
+there against 40 us back to back, and with 8 timed calls that one call added ~20 us to each.)
 moe_comm is measured eager and graph-replayed; the padded baseline graph-replayed; the
 host-split baseline eager (it synchronises); torch's NVSHMEM ``all_to_all_vdev_2d`` baseline
 graph-replayed, or eager with the reason in the table's note if torch refuses to capture it,
@@ -53,7 +54,9 @@ __all__ = ["BenchOptions", "bench_rank", "write_results", "main"]
 # How many input sets the timed loops rotate over.
 NUM_INPUT_SETS = 4
 # Eager calls issued back to back per measurement.
-EAGER_CALLS = 8
+# The untimed call before them starts its kernel before the start event, so the host may be up
+# to one call's GPU time ahead when the timed calls begin: over 32 calls, ~1 us a call at most.
+EAGER_CALLS = 32
 # Experts that the skewed routing favours.
 NUM_HOT_EXPERTS = 8
 # GPU cycles of the spin kernel before an aligning all_reduce (~100 us: longer than the host
@@ -156,13 +159,15 @@ class _Timer:
         ``run()`` back to back, timed together; returns the median time per run.
 
         ``replay``: ``run`` replays a CUDA graph; the ranks are then aligned on the GPU (see the module
-        docstring), else on the host.
+        docstring), else on the host and one untimed ``run()`` takes the host's wake-up after it.
         """
         samples = []
         on_gpu = replay and self.device.type == "cuda"
         for i in range(self.warmup + self.repeats):
             prepare(i)
             self._align(on_gpu)
+            if not replay:
+                run()
             if self.device.type == "cuda":
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()

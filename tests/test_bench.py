@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict
 
 import pytest
@@ -119,6 +120,37 @@ def test_chunks_and_covered_rows():
     # Chunks [0, 2), empty at 2, [3, 4) in 6 rows: rows 2, 4 and 5 are in none.
     splits_offsets = torch.tensor([[2, 0, 1], [0, 2, 3]])
     assert covered_rows(splits_offsets, 6).tolist() == [True, True, False, True, False, False]
+
+
+def _timed_calls(rank: int, world: int) -> dict:
+    """What _Timer.median_us runs and reports when the first call after each alignment is slow."""
+    timer = bench._Timer(torch.device("cpu"), dist.group.WORLD, repeats=3, warmup=1)
+    state = {"woke": False, "runs": 0}
+    align = timer._align
+
+    def aligned(on_gpu: bool) -> None:
+        align(on_gpu)
+        state["woke"] = True
+
+    def run() -> None:
+        state["runs"] += 1
+        if state["woke"]:  # the host's wake-up after the aligning synchronize
+            state["woke"] = False
+            time.sleep(0.2)
+
+    timer._align = aligned
+    eager = timer.median_us(run, lambda i: None, calls=4)
+    eager_runs, state["runs"] = state["runs"], 0
+    replayed = timer.median_us(run, lambda i: None, replay=True, calls=4)
+    return {"eager_us": eager, "eager_runs": eager_runs, "replay_us": replayed, "replay_runs": state["runs"]}
+
+
+def test_eager_timing_leaves_the_wake_up_call_out():
+    # Eager: one untimed call after each alignment, then 4 timed ones; a replay is timed from the start.
+    got = run_ranks(_timed_calls, 1)[0]
+    assert got["eager_runs"] == (1 + 3) * (1 + 4) and got["replay_runs"] == (1 + 3) * 4
+    assert got["eager_us"] < 0.2e6 / 4 / 4, got
+    assert got["replay_us"] >= 0.2e6 / 4, got
 
 
 def test_bench_rows_and_files(tmp_path):
