@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 from dataclasses import asdict
 
 import pytest
@@ -215,23 +219,49 @@ def test_overlap_rows_keep_their_times_and_get_their_own_table(monkeypatch):
     assert "| 4096 | 24 | 400.0 | 1200.0 | 1400.0 | 1500.0 | 75% | 25% | GEMM 8192^3 bf16 |" in table
 
 
+def _run_script(name: str, args: list, tmp_path, hide_gpus: bool) -> subprocess.CompletedProcess:
+    """``benchmarks/<name> *args`` as a user runs it from ``tmp_path`` (on the CPU with ``hide_gpus``)."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    if hide_gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return subprocess.run([sys.executable, str(root / "benchmarks" / name), *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
 def test_fp8_layer_benchmark_smoke_run(tmp_path):
     # benchmarks/bench_fp8_layer.py as a user runs it, on the CPU: a row per token count with the
     # FP8 layer's errors against the config-dtype layer, and its result files.
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    result = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_fp8_layer.py"), "--tokens", "16",
-                             "--repeats", "1", "--out", str(tmp_path), "--name", "smoke"],
-                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    result = _run_script("bench_fp8_layer.py", ["--tokens", "16", "--repeats", "1", "--out", str(tmp_path),
+                                                "--name", "smoke"], tmp_path, hide_gpus=True)
     assert result.returncode == 0, result.stdout + result.stderr
     (row,) = json.loads((tmp_path / "smoke.json").read_text())["rows"]
     assert row["tokens"] == 16 and row["dequantized_rows"] > 0
     for key in ("output_rel_err", "input_grad_rel_err", "weight_grad_rel_err"):
         assert 0 < row[key] < 0.08, row
     assert "| 16 |" in (tmp_path / "smoke.md").read_text()
+
+
+def test_row_copy_benchmark_says_it_needs_a_gpu(tmp_path):
+    result = _run_script("bench_row_copy.py", ["--rows", "8"], tmp_path, hide_gpus=True)
+    assert result.returncode != 0 and "needs a CUDA GPU" in result.stderr, result.stdout + result.stderr
+
+
+@pytest.mark.gpu
+def test_row_copy_benchmark_checks_and_times_every_kernel(tmp_path, requires_gpus, monkeypatch):
+    # Each kernel's rows are checked against torch's indexing before it is timed; 130 rows of 2056
+    # values leave partial parts and more rows than warps. In this process: no second torch import.
+    import importlib.util
+
+    requires_gpus(1)
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_row_copy.py"
+    spec = importlib.util.spec_from_file_location("bench_row_copy", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(sys, "argv", ["bench_row_copy.py", "--rows", "130", "--hidden", "2056", "--sms", "1", "3",
+                                      "--repeats", "2", "--out", str(tmp_path), "--name", "smoke"])
+    script.main()
+    rows = json.loads((tmp_path / "smoke.json").read_text())["rows"]
+    assert [(r["kernel"], r["sms"]) for r in rows] == [
+        (kernel, sms) for kernel in ("vector", "bulk", "sum (combine's shape)") for sms in (1, 3)]
+    assert all(r["us"] > 0 for r in rows)
