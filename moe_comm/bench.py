@@ -54,8 +54,9 @@ __all__ = ["BenchOptions", "bench_rank", "write_results", "main"]
 # How many input sets the timed loops rotate over.
 NUM_INPUT_SETS = 4
 # Eager calls issued back to back per measurement.
-# The untimed call before them starts its kernel before the start event, so the host may be up
-# to one call's GPU time ahead when the timed calls begin: over 32 calls, ~1 us a call at most.
+# The untimed call before them runs its kernel before the start event: where the host is the
+# slower side (decode sizes) it starts the timed calls up to that kernel's time ahead, ~1 us a call
+# over 32 calls at T=128; where the GPU is slower the calls queue behind it anyway.
 EAGER_CALLS = 32
 # Experts that the skewed routing favours.
 NUM_HOT_EXPERTS = 8
