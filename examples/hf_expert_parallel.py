@@ -27,6 +27,7 @@ import torch.distributed as dist
 import transformers
 
 from moe_comm.integrations.transformers import expert_parallel
+from moe_comm.spawn import exit_now
 
 
 def _tiny_model() -> torch.nn.Module:
@@ -91,11 +92,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    code = main(sys.argv[1:])
-    # Leave without C++'s static destructors, as moe_comm.spawn's ranks do: after the process group
-    # is destroyed, torch can still hold a thread there (gloo, intermittently on 2-core hosts), and
-    # its destructor then aborts the finished process ("terminate called without an active
-    # exception", exit -6), which torchrun reports as a failed rank.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_now(main(sys.argv[1:]))  # not sys.exit: torch's threads can abort C++'s static destructors

@@ -384,7 +384,6 @@ def compile_all(arch: str) -> list[Path]:
 
     Prints nothing (``moe-comm compile`` reports the paths). Raises CompileError on the first failure.
     """
-    _check_arch(arch)
     builds = [(name, defines, _NO_TOOLCHAIN) for name, entry in sorted(_kernel_sources().items())
               for defines in _declared_defines(name, entry.read_text(encoding="utf-8"))]
     return compile_many(builds, arch=arch)

@@ -27,6 +27,7 @@ import multiprocessing
 import os
 import pickle
 import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -35,11 +36,11 @@ from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from multiprocessing.context import ForkServerContext, ForkServerProcess
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, NoReturn, Optional
 
 from .errors import RankFailureError
 
-__all__ = ["MULTICAST_OFF_ENV", "run_ranks"]
+__all__ = ["MULTICAST_OFF_ENV", "exit_now", "run_ranks"]
 
 # NVLink multicast (NVLS) can take a shared host's GPUs out of service: every rank
 # process keeps NCCL, torch's symmetric memory and NVSHMEM off it. The launcher owns these
@@ -115,6 +116,20 @@ def _child(
         dist.destroy_process_group()
     # The stack dump stays registered until exit: a rank that hangs on its way out (a leaked
     # non-daemon thread, a stuck teardown) is dumped and killed like any other.
+
+
+def exit_now(code: int) -> NoReturn:
+    """End this process with ``code`` at once, stdout and stderr flushed, before C++'s static destructors.
+
+    For rank processes that another launcher started (torchrun): after the process group is
+    destroyed torch can still hold a thread (gloo, intermittently on 2-core hosts), and its
+    destructor then aborts the finished process ("terminate called without an active exception",
+    exit -6), which the launcher reports as a failed rank. ``run_ranks``' own ranks leave this way
+    already (forked, they end in ``os._exit``).
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _stacks(stack_dir: str, rank: int) -> str:
