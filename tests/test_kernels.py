@@ -191,3 +191,11 @@ def test_device_builds_of_the_put_transport_use_nvshmem_headers_except_fp8_cu():
         ("dispatch", toolchain.options), ("combine", toolchain.options), ("dispatch", toolchain.options),
         ("fp8", jit.Toolchain().options)]
     assert all(defines.get("PUT_TRANSPORT") == 1 for _, defines, _ in builds[:3])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.uint8, torch.float32])
+def test_empty_rows_is_a_contiguous_matrix(dtype):
+    rows = kernels.empty_rows(3, 5, dtype, torch.device("cpu"))
+    assert rows.shape == (3, 5) and rows.stride() == (5, 1) and rows.dtype == dtype
+    assert rows.is_contiguous() and rows.device == torch.device("cpu")
+    assert kernels.empty_rows(0, 7, dtype, torch.device("cpu")).shape == (0, 7)

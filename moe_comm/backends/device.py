@@ -311,27 +311,26 @@ class DeviceBackend(Backend):
         # FP8 rows (given packed as uint8, or quantized on the way) go through their own build.
         if quantize or x.dtype == torch.uint8:
             launcher = self._fp8_dispatch_kernels
-            out_x = torch.empty((self.capacity_rows, fp8.packed_row_bytes(cfg.hidden)), dtype=torch.uint8,
-                                device=device)
+            out_x = kernels.empty_rows(self.capacity_rows, fp8.packed_row_bytes(cfg.hidden), torch.uint8, device)
         else:
             launcher = self._dispatch_kernels
-            out_x = torch.empty((self.capacity_rows, x.shape[1]), dtype=x.dtype, device=device)
+            out_x = kernels.empty_rows(self.capacity_rows, x.shape[1], x.dtype, device)
         launcher.dispatch(x, topk_idx, topk_weights, _addresses(routing), expert_offsets, tokens_per_expert, out_x,
                           quantize=quantize)
         return DispatchResult(out_x, expert_offsets, tokens_per_expert, routing)
 
     def redispatch(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        out = torch.empty((self.capacity_rows, self.config.hidden), dtype=self.dtype, device=self.device)
+        out = kernels.empty_rows(self.capacity_rows, self.config.hidden, self.dtype, self.device)
         self._dispatch_kernels.redispatch(x, _addresses(routing), out)
         return out
 
     def combine(self, y: torch.Tensor, routing: Routing, weighted: bool = True) -> torch.Tensor:
-        z = torch.empty((routing.num_tokens, self.config.hidden), dtype=self.dtype, device=self.device)
+        z = kernels.empty_rows(routing.num_tokens, self.config.hidden, self.dtype, self.device)
         self._combine_kernels.combine(y, _addresses(routing), weighted, z)
         return z
 
     def return_entry_values(self, row_vector: torch.Tensor, routing: Routing) -> torch.Tensor:
-        out = torch.empty((routing.num_tokens, self.config.topk), dtype=torch.float32, device=self.device)
+        out = kernels.empty_rows(routing.num_tokens, self.config.topk, torch.float32, self.device)
         k, addresses = self._combine_kernels, _addresses(routing)
         k.values_send(row_vector.contiguous(), addresses)
         k.values_recv(addresses, out)
