@@ -115,6 +115,12 @@ def pack(x_fp8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 def unpack(packed: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Views of packed rows ``[N, packed_row_bytes(hidden)]`` uint8: ``(x_fp8 [N, H] e4m3, scales [N, H/128] f32)``."""
-    return (packed[:, :hidden].view(FP8_DTYPE),
-            packed[:, hidden:hidden + _scale_bytes(hidden)].view(torch.float32))
+    """Views of packed rows ``[N, packed_row_bytes(hidden)]`` uint8: ``(x_fp8 [N, H] e4m3, scales [N, H/128] f32)``.
+
+    NOTE: dtype views, then ``as_strided`` and ``narrow``, not indexing: every FP8 dispatch makes
+    these views, eager calls at decode sizes are host-bound, and on an H100 machine this took
+    ~11.8 us against 12.8-19.7 with ``packed[:, a:b]`` (``as_strided`` for the scales too, ~10.6,
+    needs ``storage_offset()``, which torch.compile cannot trace).
+    """
+    x_fp8 = packed.view(FP8_DTYPE).as_strided((packed.shape[0], hidden), (packed.stride(0), 1))
+    return x_fp8, packed.view(torch.float32).narrow(1, hidden // 4, hidden // BLOCK)

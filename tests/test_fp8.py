@@ -77,6 +77,21 @@ def test_round_scale_gives_powers_of_two_at_least_the_exact_scale():
     assert torch.all(torch.frexp(rounded).mantissa == 0.5)
 
 
+@pytest.mark.parametrize("first_row", [0, 3])
+def test_unpack_gives_back_what_pack_packed_as_views_of_the_rows(first_row):
+    from moe_comm import fp8
+
+    hidden = 3 * BLOCK  # 12 scale bytes a row, padded to 16
+    x_fp8, scales = moe_comm.quantize(torch.randn(7, hidden, generator=torch.Generator().manual_seed(2)))
+    packed = fp8.pack(x_fp8, scales)[first_row:]  # rows from the middle of an allocation too
+    got_fp8, got_scales = fp8.unpack(packed, hidden)
+    assert got_fp8.dtype == fp8.FP8_DTYPE and got_scales.dtype == torch.float32
+    assert torch.equal(got_fp8.view(torch.uint8), x_fp8[first_row:].view(torch.uint8))
+    assert torch.equal(got_scales, scales[first_row:])
+    assert got_fp8.data_ptr() == packed.data_ptr() and got_scales.data_ptr() == packed.data_ptr() + hidden
+    assert got_scales.stride() == (fp8.packed_row_bytes(hidden) // 4, 1)
+
+
 @pytest.mark.parametrize("call, words", [
     (lambda: moe_comm.quantize(torch.zeros(2, 100)), ["quantize x", "multiple of 128", "100"]),
     (lambda: moe_comm.quantize(torch.zeros(2, BLOCK, dtype=torch.int32)), ["quantize x", "int32"]),

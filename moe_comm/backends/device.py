@@ -182,6 +182,7 @@ class DeviceBackend(Backend):
         self._memory = None
         self._closed = False
         self._put_transport = put_transport
+        self._fp8_row_bytes = fp8.packed_row_bytes(config.hidden)  # FP8 dispatch's rows (eager calls: host-bound)
         self._check_sizes()
 
         row_bytes = config.hidden * self.dtype.itemsize
@@ -257,7 +258,7 @@ class DeviceBackend(Backend):
         if cfg.dispatch_dtype is not None:
             _, fp8_defines, _ = builds[2]
             self._fp8_dispatch_kernels = dispatch_kernels(
-                fp8_defines, dataclasses.replace(self.regions, row_bytes=fp8.packed_row_bytes(cfg.hidden)))
+                fp8_defines, dataclasses.replace(self.regions, row_bytes=self._fp8_row_bytes))
             self.quantizes_fp8 = True
         self._combine_kernels = kernels.CombineKernels(
             self.device, defines, args, self.regions, capacity_rows=self.capacity_rows, num_sms=cfg.num_sms,
@@ -311,7 +312,7 @@ class DeviceBackend(Backend):
         # FP8 rows (given packed as uint8, or quantized on the way) go through their own build.
         if quantize or x.dtype == torch.uint8:
             launcher = self._fp8_dispatch_kernels
-            out_x = kernels.empty_rows(self.capacity_rows, fp8.packed_row_bytes(cfg.hidden), torch.uint8, device)
+            out_x = kernels.empty_rows(self.capacity_rows, self._fp8_row_bytes, torch.uint8, device)
         else:
             launcher = self._dispatch_kernels
             out_x = kernels.empty_rows(self.capacity_rows, x.shape[1], x.dtype, device)
