@@ -73,10 +73,10 @@ typedef unsigned long long u64;
 #endif
 
 // A packed FP8 row (moe_comm.fp8.pack): HIDDEN e4m3 bytes, one float32 scale per FP8_BLOCK
-// channels, zeros up to a multiple of 16 bytes.
+// channels, zeros up to a multiple of 64 bytes (moe_comm.fp8.packed_row_bytes says why).
 #define FP8_BLOCK 128
 #define FP8_SCALE_BYTES (4 * (HIDDEN / FP8_BLOCK))
-#define FP8_ROW_BYTES (HIDDEN + (FP8_SCALE_BYTES + 15) / 16 * 16)
+#define FP8_ROW_BYTES ((HIDDEN + FP8_SCALE_BYTES + 63) / 64 * 64)
 
 #define SOURCE_ROW_BYTES (HIDDEN * ELEM_BYTES)  // a DTYPE row
 #if FP8_ROWS

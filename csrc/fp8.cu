@@ -3,7 +3,7 @@
 // quantize_pack: x [T, HIDDEN] DTYPE -> packed [T, FP8_ROW_BYTES] bytes, bit for bit what
 // moe_comm.fp8.pack(*moe_comm.fp8.quantize(x)) gives (round_scale false; the math is fp8.cuh's).
 // The packed row: the HIDDEN e4m3 bytes, the HIDDEN/128 float32 scales, zeros up to FP8_ROW_BYTES
-// (a multiple of 16). One warp per (token, unit of FP8_UNIT_VPL e4m3 vectors per lane). The
+// (a multiple of 64). One warp per (token, unit of FP8_UNIT_VPL e4m3 vectors per lane). The
 // backends whose dispatch kernels quantize as they send (dispatch.cu built with FP8_ROWS) do not
 // need this pass; the collective backends do.
 //

@@ -168,7 +168,8 @@ def test_fp8_config_needs_hidden_in_blocks_of_128():
         moe_comm.load_config(None, **{**BASE, "hidden": 192}, dispatch_dtype="float8_e4m3fn")
     with pytest.raises(moe_comm.ConfigError, match="'dispatch_dtype'"):
         moe_comm.load_config(None, dispatch_dtype="float8_e5m2")
-    assert fp8.packed_row_bytes(7168) == 7168 + 224 and fp8.packed_row_bytes(128) == 144
+    assert fp8.packed_row_bytes(7168) == 7168 + 224 + 32 and fp8.packed_row_bytes(2048) == 2048 + 64
+    assert fp8.packed_row_bytes(128) == 192
 
 
 class _RecordingBackend:
