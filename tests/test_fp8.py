@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import moe_comm
-from moe_comm import InputError
+from moe_comm import InputError, fp8
 from moe_comm.fp8 import BLOCK, FP8_MAX, MIN_AMAX
 
 
@@ -79,9 +79,7 @@ def test_round_scale_gives_powers_of_two_at_least_the_exact_scale():
 
 @pytest.mark.parametrize("first_row", [0, 3])
 def test_unpack_gives_back_what_pack_packed_as_views_of_the_rows(first_row):
-    from moe_comm import fp8
-
-    hidden = 3 * BLOCK  # 12 scale bytes a row, padded to 16
+    hidden = 3 * BLOCK  # 12 scale bytes a row, then zeros to the row's end
     x_fp8, scales = moe_comm.quantize(torch.randn(7, hidden, generator=torch.Generator().manual_seed(2)))
     packed = fp8.pack(x_fp8, scales)[first_row:]  # rows from the middle of an allocation too
     got_fp8, got_scales = fp8.unpack(packed, hidden)
