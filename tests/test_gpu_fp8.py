@@ -129,7 +129,7 @@ def _rank_fp8_dispatch(rank: int, world: int, backend_id: str, shapes: list) -> 
 # Device kernels quantize config-dtype rows themselves: their senders unit by unit (world 2), and
 # the blocks that neither send nor lay out pack the own rows (a budget of senders leaves some), or
 # past protocol.FP8_PACK_OWN_MAX_TOKENS (2048) tokens the own expansion quantizes them (2100).
-# 1152 channels: 9 blocks, so the packed row ends in 12 zero bytes and a unit's last lanes idle.
+# 1152 channels: 9 blocks, so the packed row ends in 28 zero bytes and a unit's last lanes idle.
 # Shapes of one backend and world share one spawn of ranks.
 @pytest.mark.parametrize("backend_id, world, shapes", [
     ("vmm", 1, [{}, {"hidden": 1152}, {"max_tokens_per_rank": 2100}, {"hidden": 1152, "max_tokens_per_rank": 2100}]),
