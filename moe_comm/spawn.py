@@ -55,8 +55,24 @@ MULTICAST_OFF_ENV = {
 # would spend importing them. Never anything that initialises CUDA (a forked child could not).
 _FORK_SERVER_PRELOAD = ("torch", "torch.distributed")
 
+# The most intra-op threads a rank gets (see _rank_threads).
+_RANK_THREADS_MAX = 8
+
 # Seconds a killed rank gets to write its stack dump before SIGKILL.
 _STACK_DUMP_WAIT_S = 0.5
+
+
+def _rank_threads(cpu_count: int, world_size: int) -> int:
+    """torch's intra-op threads for each of ``world_size`` ranks on a host of ``cpu_count`` cores.
+
+    N ranks share the host's cores: torch's default (all cores per process) oversubscribes them
+    and makes CPU runs several times slower. Filling every core is slow too: 2 NVSHMEM ranks on
+    32 cores ran the GPU dispatch test's CPU reference 2.4x slower with 16 threads each than
+    with 8, where 2 NCCL ranks ran as fast with either (NVSHMEM keeps a proxy thread per rank,
+    left without a core of its own). 4 and 8 ran it equally fast: the ranks' CPU ops
+    (reference routing, test checks) are too small to use more.
+    """
+    return max(1, min(_RANK_THREADS_MAX, cpu_count // world_size))
 
 
 def _child(
@@ -85,9 +101,7 @@ def _child(
         import torch.distributed as dist
 
         if "OMP_NUM_THREADS" not in os.environ:
-            # N ranks share the host's cores; torch's default (all cores per process)
-            # oversubscribes them and makes CPU runs several times slower.
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+            torch.set_num_threads(_rank_threads(os.cpu_count() or 1, world_size))
         timeout = timedelta(seconds=options["timeout_s"])
         store = dist.TCPStore("127.0.0.1", store_port, world_size, is_master=False, timeout=timeout)
         kwargs = {}

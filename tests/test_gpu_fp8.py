@@ -130,11 +130,14 @@ def _rank_fp8_dispatch(rank: int, world: int, backend_id: str, shapes: list) -> 
 # the blocks that neither send nor lay out pack the own rows (a budget of senders leaves some), or
 # past protocol.FP8_PACK_OWN_MAX_TOKENS (2048) tokens the own expansion quantizes them (2100).
 # 1152 channels: 9 blocks, so the packed row ends in 28 zero bytes and a unit's last lanes idle.
-# Shapes of one backend and world share one spawn of ranks.
+# The other backends at world 1 (one GPU) and world 2 (their peers' rows cross GPUs, over
+# NVSHMEM's puts too). Shapes of one backend and world share one spawn of ranks.
 @pytest.mark.parametrize("backend_id, world, shapes", [
     ("vmm", 1, [{}, {"hidden": 1152}, {"max_tokens_per_rank": 2100}, {"hidden": 1152, "max_tokens_per_rank": 2100}]),
     ("vmm", 2, [{}, {"hidden": 1152, "num_sms": 2}, {"sm_budget": 4}]),
     ("nvshmem-p2p", 1, [{}]), ("nccl-symmetric", 1, [{}]), ("nccl-collective", 1, [{}]),
+    ("nvshmem-p2p", 2, [{}]), ("nccl-symmetric", 2, [{}]), ("nccl-collective", 2, [{}]),
+    ("nvshmem-put", 2, [{}, {"hidden": 1152, "num_sms": 2}, {"sm_budget": 4}]),
 ])
 def test_fp8_dispatch_equals_reference_bitwise(backend_id, world, shapes, requires_gpus):
     from gpu_backends import dist_backend_for, gpus_needed

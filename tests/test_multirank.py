@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from moe_comm.spawn import MULTICAST_OFF_ENV
@@ -25,7 +26,7 @@ def _report(rank, world_size, token):
     dist.all_gather_object(gathered, rank * 10)
     env = {name: os.environ.get(name) for name in [*MULTICAST_OFF_ENV, "MOE_COMM_TEST_VAR", "MASTER_PORT"]}
     return {"rank": rank, "world": world_size, "token": token, "gathered": gathered, "env": env,
-            "pid": os.getpid(), "started": started}
+            "pid": os.getpid(), "started": started, "threads": torch.get_num_threads()}
 
 
 def test_results_in_rank_order_with_env_and_delay():
@@ -40,6 +41,10 @@ def test_results_in_rank_order_with_env_and_delay():
         assert all(r["env"][name] == value for name, value in MULTICAST_OFF_ENV.items())
         assert r["env"]["MASTER_PORT"] == results[0]["env"]["MASTER_PORT"]
         assert _gone(r["pid"])
+        if "OMP_NUM_THREADS" not in os.environ:
+            # The ranks split the cores, a few at most each: none fills the host (NVSHMEM's proxy
+            # thread, left without a core, then stalls the ranks' parallel ops).
+            assert 1 <= r["threads"] <= min(8, max(1, (os.cpu_count() or 1) // 3)), r["threads"]
     # The parent's own environment is left alone.
     assert "MOE_COMM_TEST_VAR" not in os.environ
 
