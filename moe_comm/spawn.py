@@ -68,8 +68,8 @@ def _rank_threads(cpu_count: int, world_size: int) -> int:
     N ranks share the host's cores: torch's default (all cores per process) oversubscribes them
     and makes CPU runs several times slower. Filling every core is slow too: 2 NVSHMEM ranks on
     32 cores ran the GPU dispatch test's CPU reference 2.4x slower with 16 threads each than
-    with 8, where 2 NCCL ranks ran as fast with either (NVSHMEM keeps a proxy thread per rank,
-    left without a core of its own). 4 and 8 ran it equally fast: the ranks' CPU ops
+    with 8, where 2 NCCL ranks ran as fast with either (likely NVSHMEM's proxy thread, one per
+    rank, left without a core of its own). 4 and 8 ran it equally fast: the ranks' CPU ops
     (reference routing, test checks) are too small to use more.
     """
     return max(1, min(_RANK_THREADS_MAX, cpu_count // world_size))
