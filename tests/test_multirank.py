@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import moe_comm.spawn
 from moe_comm.spawn import MULTICAST_OFF_ENV
 from multirank import run_ranks
 
@@ -47,6 +48,19 @@ def test_results_in_rank_order_with_env_and_delay():
             assert 1 <= r["threads"] <= min(8, max(1, (os.cpu_count() or 1) // 3)), r["threads"]
     # The parent's own environment is left alone.
     assert "MOE_COMM_TEST_VAR" not in os.environ
+
+
+def _rank_number(rank, world_size):
+    return rank
+
+
+def test_a_successful_run_waits_for_no_stack_dumps(monkeypatch):
+    # The pause that lets killed ranks write their stacks is for runs with ranks to kill: every
+    # successful run paid it (half a second each, in every test and every `moe-comm run`).
+    pauses = []
+    monkeypatch.setattr(moe_comm.spawn.time, "sleep", pauses.append)
+    assert run_ranks(_rank_number, 2, timeout_s=60) == [0, 1]
+    assert moe_comm.spawn._STACK_DUMP_WAIT_S not in pauses, pauses
 
 
 def _caller_env(rank, world_size):
