@@ -82,7 +82,8 @@ def _compiled_against_eager(rank: int, dispatch_dtype) -> dict:
         result["inductor_one_layer"] = max(_errors(e, _step(layer, compiled_layer, x)) for e, x in zip(first, inputs))
         torch.cuda.synchronize()
         disp.check()
-    # The next model's forward is the same code: start its compiles from empty caches, as a fresh process would.
+    # The next model's forward is the same code object: drop dynamo's entries for this one, which a
+    # fresh process would not have (and which count towards its recompile limit).
     torch._dynamo.reset()
     return result
 
