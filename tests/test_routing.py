@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from moe_comm import protocol, routing
@@ -76,6 +77,36 @@ def test_expand_and_combine_follow_the_fixed_order():
     send_mask = torch.tensor([[True, True], [False, True], [False, False]])
     returned = torch.tensor([[[1.0], [7.0], [7.0]], [[2.0], [3.0], [7.0]]])
     assert routing.sum_returned(returned, send_mask).tolist() == [[3.0], [3.0], [0.0]]
+
+
+@pytest.mark.parametrize("dtype, weighted", [(torch.bfloat16, True), (torch.float32, True), (torch.bfloat16, False)])
+def test_partials_equal_an_entry_by_entry_sum(dtype, weighted):
+    # The contract spelled out one entry at a time: float32 from +0, k in order, the product and the
+    # sum each rounded, empty (-1) and dropped (-2) entries skipped whatever row and weight they hold.
+    gen = torch.Generator().manual_seed(3)
+    num_ranks, slab_rows, topk, hidden, capacity = 2, 5, 4, 6, 12
+    y = torch.randn(capacity, hidden, generator=gen).to(dtype)
+    y[0] = torch.tensor([float("inf"), float("nan"), -0.0, 0.0, float("-inf"), 1.0])  # what empty entries read
+    y[1, :2] = -0.0
+    recv_pos = torch.randint(0, capacity, (num_ranks, slab_rows, topk), generator=gen, dtype=torch.int32)
+    recv_pos[torch.rand(recv_pos.shape, generator=gen) < 0.4] = -1
+    recv_pos[0, 0] = torch.tensor([-2, 1, -1, 1], dtype=torch.int32)
+    recv_pos[1, 4] = -1  # a slab row with no entry
+    weights = torch.randn(recv_pos.shape, generator=gen)
+    weights[recv_pos < 0] = float("nan")
+    weights[0, 0, 1] = -1.0  # -1 x -0.0 = +0.0 added to +0.0
+    want = torch.zeros(num_ranks, slab_rows, hidden)
+    for r in range(num_ranks):
+        for m in range(slab_rows):
+            acc = torch.zeros(hidden)
+            for k in range(topk):
+                if recv_pos[r, m, k] >= 0:
+                    row = y[recv_pos[r, m, k]].float()
+                    acc = acc + (weights[r, m, k] * row if weighted else row)
+            want[r, m] = acc
+    got = routing.reduce_partials(y, recv_pos, weights if weighted else None)
+    bits = torch.int16 if dtype is torch.bfloat16 else torch.int32
+    assert torch.equal(got.view(bits), want.to(dtype).view(bits))
 
 
 def test_bf16_partials_round_once_after_float32_accumulation():
