@@ -225,12 +225,14 @@ def expand_rows(recv_rows: torch.Tensor, recv_pos: torch.Tensor, capacity_rows: 
         (this covers the alignment padding).
     """
     hidden = recv_rows.shape[-1]
-    topk = recv_pos.shape[-1]
     # One extra trash row absorbs the empty entries so the scatter keeps a static shape.
     out = recv_rows.new_zeros(capacity_rows + 1, hidden)
-    target = torch.where(recv_pos >= 0, recv_pos, torch.full_like(recv_pos, capacity_rows)).reshape(-1).to(torch.int64)
-    source = recv_rows.unsqueeze(2).expand(-1, -1, topk, -1).reshape(-1, hidden)
-    out.index_copy_(0, target, source)
+    target = recv_pos.masked_fill(recv_pos < 0, capacity_rows).to(torch.int64)
+    rows = recv_rows.reshape(-1, hidden)
+    # One k at a time: a single scatter needed the rows repeated K times ([W * M * K, H], 3.75 GB at
+    # 8 ranks, M = 4096, H = 7168 bf16 on nccl-collective's GPUs) and took 1.7-3x the time on a CPU.
+    for k in range(recv_pos.shape[-1]):
+        out.index_copy_(0, target[:, :, k].reshape(-1), rows)
     return out[:capacity_rows]
 
 
