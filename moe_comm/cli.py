@@ -362,7 +362,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     config = load_config(args.config, **overrides) if args.config or overrides else None
     total = 0
     for arch in args.arch:
-        paths = jit.compile_all(arch) if config is None else kernels.compile_for_config(config, arch)
+        paths = jit.compile_all(arch) if config is None else kernels.compile_for_configs([config], arch)
         total += len(paths)
         for path in paths:
             _say(f"{arch}  {path}")

@@ -35,7 +35,7 @@ __all__ = [
     "kernel_defines",
     "fp8_dispatch_defines",
     "device_builds",
-    "compile_for_config",
+    "compile_for_configs",
     "DispatchKernels",
     "CombineKernels",
 ]
@@ -99,15 +99,24 @@ def device_builds(dtype: torch.dtype, hidden: int, topk: int, *, arch: str, put_
     return builds
 
 
-def compile_for_config(config, arch: str) -> list:
-    """Compile (or find cached) the kernels ``config`` runs on ``arch`` (:func:`device_builds`, all at
-    once); returns the cubin paths. A config on the ``nvshmem`` backend with ``transport: put`` gets the
-    put-transport builds (NVSHMEM's headers must be installed). No GPU needed.
+def compile_for_configs(configs, arch: str) -> list:
+    """Compile (or find cached) the kernels every config of ``configs`` runs on ``arch``
+    (:func:`device_builds`; each distinct build once, all at once); returns the cubin paths. A config
+    on the ``nvshmem`` backend with ``transport: put`` gets the put-transport builds (NVSHMEM's
+    headers must be installed). No GPU needed.
+
+    NOTE: a process that builds dispatchers of several configs one after the other compiles their
+    builds one config at a time; compiling them here first takes about one build's time on a host
+    with a core per build (a put-transport build took ~4.5 s on the GPU machines: NVSHMEM's headers).
     """
-    put = config.backend == "nvshmem" and config.nvshmem.transport == "put"
-    builds = device_builds(config.torch_dtype, config.hidden, config.topk, arch=arch, put_transport=put,
-                           fp8_dispatch=config.dispatch_dtype is not None)
-    return jit.compile_many(builds, arch=arch)
+    builds = []
+    for config in configs:
+        put = config.backend == "nvshmem" and config.nvshmem.transport == "put"
+        builds += device_builds(config.torch_dtype, config.hidden, config.topk, arch=arch, put_transport=put,
+                                fp8_dispatch=config.dispatch_dtype is not None)
+    distinct = {(name, jit.canonical_defines(defines), toolchain): (name, defines, toolchain)
+                for name, defines, toolchain in builds}
+    return jit.compile_many(list(distinct.values()), arch=arch)
 
 
 FP8_KERNELS_MIN_ARCH = (8, 9)  # csrc/fp8.cu converts with cvt.rn.satfinite.e4m3x2.f32

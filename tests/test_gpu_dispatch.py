@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 import moe_comm
 from moe_comm import protocol
-from gpu_backends import GPU_BACKENDS, dist_backend_for, gpus_needed
+from gpu_backends import GPU_BACKENDS, compile_kernels, dist_backend_for, gpus_needed
 from multirank import run_ranks
 
 pytestmark = pytest.mark.gpu
@@ -407,6 +407,8 @@ PER_RANK_SCENARIOS_MAX_WORLD = 2
 def _rank_main(rank: int, world: int, backend_id: str) -> None:
     backend, section = GPU_BACKENDS[backend_id]
     gloo = dist.new_group(backend="gloo")
+    # Every scenario's config has one of these two builds (the one-layout-block scenario's own header aside).
+    compile_kernels([_config(backend, dtype_name, **section) for dtype_name in ("bfloat16", "float32")])
     for dtype_name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
         generator = torch.Generator().manual_seed(1000 * world + rank)
         with moe_comm.Dispatcher(_config(backend, dtype_name, **section)) as dev, \

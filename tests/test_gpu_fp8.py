@@ -118,10 +118,12 @@ def _fp8_dispatch_checks(backend: str, section: dict, gloo, gen: torch.Generator
 def _rank_fp8_dispatch(rank: int, world: int, backend_id: str, shapes: list) -> dict:
     import torch.distributed as dist
 
-    from gpu_backends import GPU_BACKENDS
+    from gpu_backends import GPU_BACKENDS, compile_kernels
 
     backend, section = GPU_BACKENDS[backend_id]
     gloo = dist.new_group(backend="gloo")
+    compile_kernels([moe_comm.load_config(None, backend=backend, **section, **{**FP8_CONFIG, **overrides})
+                     for overrides in shapes])
     gen = torch.Generator().manual_seed(rank)
     return {str(overrides): _fp8_dispatch_checks(backend, section, gloo, gen, overrides) for overrides in shapes}
 

@@ -27,7 +27,7 @@ from torch import nn
 
 import moe_comm
 from moe_comm.layer import MoELayer
-from gpu_backends import GPU_BACKENDS, dist_backend_for, gpus_needed
+from gpu_backends import GPU_BACKENDS, compile_kernels, dist_backend_for, gpus_needed
 from layer_checks import BASE, FFN, TOLERANCE, assert_within, decode_graph_errors, layer_errors, rel_err
 from multirank import run_ranks
 
@@ -155,9 +155,12 @@ def _decode_graphs(disp: moe_comm.Dispatcher, rank: int) -> dict:
 def _rank_main(rank: int, world: int, backend_id: str) -> dict:
     backend, section = GPU_BACKENDS[backend_id]
     torch.backends.cuda.matmul.allow_tf32 = False  # the float32 tolerances assume float32 GEMMs
+    configs = {name: moe_comm.load_config(None, backend=backend, **BASE, **overrides, **section)
+               for name, (overrides, _) in LAYER_CONFIGS.items()}
+    compile_kernels(configs.values())
     results = {}
     for name, (overrides, scenarios) in LAYER_CONFIGS.items():
-        cfg = moe_comm.load_config(None, backend=backend, **BASE, **overrides, **section)
+        cfg = configs[name]
         with moe_comm.Dispatcher(cfg) as disp:
             assert disp.backend_name == backend, f"{name}: dispatcher runs {disp.backend_name}, not {backend}"
             impl = MoELayer(cfg, FFN, dispatcher=disp).expert_impl

@@ -170,6 +170,26 @@ def test_device_builds_list_what_a_device_backend_loads():
                                                          fp8_dispatch=True)] == ["dispatch", "combine", "dispatch", "fp8"]
 
 
+def test_compile_for_configs_compiles_each_distinct_build_once_all_at_once(monkeypatch):
+    """Configs that differ only in what the builds do not depend on (backend, sm_budget, capacity)
+    share builds: every distinct one is handed to a single compile_many, in first-seen order."""
+    import moe_comm
+    from moe_comm import jit
+
+    calls = []
+    monkeypatch.setattr(jit, "compile_many", lambda builds, *, arch: calls.append((list(builds), arch)) or [])
+    shape = dict(num_experts=8, topk=2, hidden=512, max_tokens_per_rank=16)
+    configs = [moe_comm.load_config(None, backend="vmm", dtype="bfloat16", **shape),
+               moe_comm.load_config(None, backend="nccl", dtype="bfloat16", sm_budget=4, **shape),
+               moe_comm.load_config(None, backend="vmm", dtype="float32", **shape),
+               moe_comm.load_config(None, backend="vmm", dtype="bfloat16", dispatch_dtype="float8_e4m3fn", **shape)]
+    kernels.compile_for_configs(configs, "sm_90")
+    [(builds, arch)] = calls
+    bf16 = kernels.device_builds(torch.bfloat16, 512, 2, arch="sm_90", put_transport=False, fp8_dispatch=True)
+    f32 = kernels.device_builds(torch.float32, 512, 2, arch="sm_90", put_transport=False, fp8_dispatch=False)
+    assert arch == "sm_90" and builds == bf16[:2] + f32 + bf16[2:]
+
+
 def test_device_builds_name_a_bad_architecture():
     from moe_comm.errors import InputError
 
