@@ -40,7 +40,7 @@ from typing import Any, Callable, Mapping, NoReturn, Optional
 
 from .errors import RankFailureError
 
-__all__ = ["MULTICAST_OFF_ENV", "exit_now", "run_ranks"]
+__all__ = ["MULTICAST_OFF_ENV", "RankPool", "exit_now", "run_ranks"]
 
 # NVLink multicast (NVLS) can take a shared host's GPUs out of service: every rank
 # process keeps NCCL, torch's symmetric memory and NVSHMEM off it. The launcher owns these
@@ -78,12 +78,17 @@ def _rank_threads(cpu_count: int, world_size: int) -> int:
 def _child(
     rank: int,
     world_size: int,
-    payload: bytes,
+    payload: Optional[bytes],
     store_port: int,
     options: dict,
     writer: Connection,
+    tasks: Optional[Connection] = None,
 ) -> None:
-    """Body of one rank process: join the group, run ``fn``, send ``("ok", bytes)`` or ``("error", text)``."""
+    """Body of one rank process: join the group, run ``fn``, send ``("ok", bytes)`` or ``("error", text)``.
+
+    A pooled rank (``tasks`` given, ``payload`` None) reports ``("ok", pickled None)`` once it has
+    joined the group, then runs every call that arrives on ``tasks`` and reports each, until None.
+    """
     # The fork server's environment is that of the first call: replace it with this call's.
     os.environ.clear()
     os.environ.update(options["env"])
@@ -96,7 +101,7 @@ def _child(
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     dist = None
     try:
-        fn, args = pickle.loads(payload)
+        call = None if payload is None else pickle.loads(payload)
         import torch
         import torch.distributed as dist
 
@@ -116,20 +121,63 @@ def _child(
         delay = options["delay_rank"]
         if delay is not None and delay[0] == rank:
             time.sleep(delay[1])
-        value = fn(rank, world_size, *args)
-        try:
-            message = ("ok", pickle.dumps(value))
-        except Exception:
-            message = ("error", f"rank {rank}'s return value could not be pickled:\n{traceback.format_exc()}")
+        message = ("ok", pickle.dumps(None)) if call is None else _called(call, rank, world_size)
     except BaseException:
         message = ("error", traceback.format_exc())
     # Report before tearing down: a teardown that hangs must not lose the traceback.
     writer.send(message)
+    if tasks is not None and message[0] == "ok":
+        _serve(rank, world_size, tasks, writer)
     writer.close()
     if dist is not None and dist.is_initialized():
         dist.destroy_process_group()
     # The stack dump stays registered until exit: a rank that hangs on its way out (a leaked
     # non-daemon thread, a stuck teardown) is dumped and killed like any other.
+
+
+def _called(call: tuple, rank: int, world_size: int) -> tuple[str, Any]:
+    """Run one unpickled ``(fn, args)`` on this rank; its report, ``("ok", bytes)`` or ``("error", text)``."""
+    fn, args = call
+    try:
+        value = fn(rank, world_size, *args)
+    except BaseException:
+        return "error", traceback.format_exc()
+    try:
+        return "ok", pickle.dumps(value)
+    except Exception:
+        return "error", f"rank {rank}'s return value could not be pickled:\n{traceback.format_exc()}"
+
+
+def _serve(rank: int, world_size: int, tasks: Connection, writer: Connection) -> None:
+    """A pooled rank's loop: run each pickled ``(fn, args)`` from ``tasks``, report it, until None or EOF.
+
+    Each call's report waits for its GPU work and for the memory it cached to go back to the
+    driver, so the next call (another test) starts from what a fresh process would have free.
+    """
+    import gc
+
+    import torch
+
+    while True:
+        try:
+            payload = tasks.recv()
+        except EOFError:
+            return
+        if payload is None:
+            return
+        try:
+            message = _called(pickle.loads(payload), rank, world_size)
+        except BaseException:  # fn's module could not be imported here
+            message = ("error", traceback.format_exc())
+        try:
+            gc.collect()
+            if torch.cuda.is_initialized():
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+        except BaseException:
+            earlier = f"{message[1]}\n" if message[0] == "error" else ""
+            message = ("error", f"{earlier}after the call, finishing its GPU work failed:\n{traceback.format_exc()}")
+        writer.send(message)
 
 
 def exit_now(code: int) -> NoReturn:
@@ -188,35 +236,44 @@ class _Outcome:
     first_failure: Optional[float] = None
 
 
-def _pickled_call(
-    fn: Callable[..., Any], world_size: int, args: tuple, delay_rank: Optional[tuple[int, float]]
-) -> bytes:
-    """``(fn, args)`` pickled for the children, after checking ``run_ranks``' arguments."""
+def _check_world_size(world_size: int, caller: str) -> None:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"run_ranks world_size: got {world_size!r}, expected an integer >= 1")
+        raise ValueError(f"{caller} world_size: got {world_size!r}, expected an integer >= 1")
+
+
+def _pickled_call(
+    fn: Callable[..., Any], world_size: int, args: tuple, delay_rank: Optional[tuple[int, float]], caller: str
+) -> bytes:
+    """``(fn, args)`` pickled for the children, after checking ``caller``'s arguments."""
+    _check_world_size(world_size, caller)
     if delay_rank is not None and not (0 <= delay_rank[0] < world_size):
-        raise ValueError(f"run_ranks delay_rank: got rank {delay_rank[0]}, expected one in [0, {world_size})")
+        raise ValueError(f"{caller} delay_rank: got rank {delay_rank[0]}, expected one in [0, {world_size})")
     try:
         return pickle.dumps((fn, args))
     except Exception as exc:
         raise TypeError(
-            f"run_ranks fn and args must be picklable (fn a module-level function), got {fn!r}: {exc}"
+            f"{caller} fn and args must be picklable (fn a module-level function), got {fn!r}: {exc}"
         ) from None
 
 
 def _start_rank(
-    context: ForkServerContext, rank: int, world_size: int, payload: bytes, store_port: int, options: dict
-) -> tuple[ForkServerProcess, Connection]:
-    """Start one rank process; returns it and the read end of the pipe it reports on."""
+    context: ForkServerContext, rank: int, world_size: int, payload: Optional[bytes], store_port: int, options: dict,
+    pooled: bool = False,
+) -> tuple[ForkServerProcess, Connection, Optional[Connection]]:
+    """Start one rank process; returns it, the read end of the pipe it reports on and, for a pooled
+    rank, the write end of the pipe it takes calls from."""
     reader, writer = context.Pipe(duplex=False)
+    task_reader, task_writer = context.Pipe(duplex=False) if pooled else (None, None)
     process = context.Process(
         target=_child,
-        args=(rank, world_size, payload, store_port, options, writer),
+        args=(rank, world_size, payload, store_port, options, writer, task_reader),
         name=f"moe_comm-rank{rank}",
     )
     process.start()
     writer.close()  # the child holds the write end; EOF here means it is gone
-    return process, reader
+    if task_reader is not None:
+        task_reader.close()
+    return process, reader, task_writer
 
 
 def _wait_for_reports(
@@ -350,44 +407,167 @@ def run_ranks(
         RankFailureError: a rank raised, crashed, or was still running at the deadline; the message
             lists every failed rank's traceback (or exit code, or stacks at the kill).
     """
-    payload = _pickled_call(fn, world_size, args, delay_rank)
-
-    import torch.distributed as dist
-
-    # The parent hosts the rendezvous store: binding port 0 here gives a free port with no race.
-    store = dist.TCPStore(
-        "127.0.0.1", 0, world_size, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
-    )
-    stack_dir = tempfile.mkdtemp(prefix="moe_comm_ranks_")
-    child_env = {**os.environ, **MULTICAST_OFF_ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
-                 **(env or {})}
-    options = {
-        "env": child_env,
-        "stack_dir": stack_dir,
-        "timeout_s": timeout_s,
-        "gpu": gpu,
-        "dist_backend": dist_backend,
-        "delay_rank": delay_rank,
-    }
-    context = multiprocessing.get_context("forkserver")
-    # Preloaded by the server once; a no-op once the server runs (the first call started it).
-    context.set_forkserver_preload(list(_FORK_SERVER_PRELOAD))
-    processes: list[ForkServerProcess] = []
-    readers: list[Connection] = []
+    payload = _pickled_call(fn, world_size, args, delay_rank, "run_ranks")
+    ranks = _Ranks(world_size, payload, dist_backend, timeout_s, gpu, delay_rank, env, pooled=False)
     try:
-        start = time.monotonic()
-        for rank in range(world_size):
-            process, reader = _start_rank(context, rank, world_size, payload, store.port, options)
-            processes.append(process)
-            readers.append(reader)
-        outcome = _wait_for_reports(processes, readers, start + timeout_s, failure_grace_s)
-        reason = _unfinished_reason(outcome, time.monotonic() - start, timeout_s, failure_grace_s)
-        _kill_unfinished(outcome, processes, stack_dir, reason)
-        _wait_for_exits(outcome, processes, stack_dir, start + timeout_s)
+        outcome = ranks.reports(ranks.start, timeout_s, failure_grace_s)
+        _wait_for_exits(outcome, ranks.processes, ranks.stack_dir, ranks.start + timeout_s)
     finally:
-        _clean_up(processes, readers, stack_dir)
-        del store
-
+        ranks.clean_up()
     if outcome.failures:
         raise _rank_failure_error(fn, world_size, outcome)
     return [outcome.results[rank] for rank in range(world_size)]
+
+
+class _Ranks:
+    """``world_size`` rank processes started at once around a rendezvous store this process hosts.
+
+    Attributes: processes, readers (the pipes each reports on), tasks (the pipes a pooled rank takes
+    calls from, else None each), stack_dir (their stack dumps), start (``time.monotonic()`` at start).
+    """
+
+    def __init__(self, world_size: int, payload: Optional[bytes], dist_backend: str, timeout_s: float, gpu: bool,
+                 delay_rank: Optional[tuple[int, float]], env: Optional[Mapping[str, str]], *, pooled: bool) -> None:
+        import torch.distributed as dist
+
+        # The parent hosts the rendezvous store: binding port 0 here gives a free port with no race.
+        self._store = dist.TCPStore(
+            "127.0.0.1", 0, world_size, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+        )
+        self.stack_dir = tempfile.mkdtemp(prefix="moe_comm_ranks_")
+        child_env = {**os.environ, **MULTICAST_OFF_ENV, "MASTER_ADDR": "127.0.0.1",
+                     "MASTER_PORT": str(self._store.port), **(env or {})}
+        options = {
+            "env": child_env,
+            "stack_dir": self.stack_dir,
+            "timeout_s": timeout_s,
+            "gpu": gpu,
+            "dist_backend": dist_backend,
+            "delay_rank": delay_rank,
+        }
+        context = multiprocessing.get_context("forkserver")
+        # Preloaded by the server once; a no-op once the server runs (the first call started it).
+        context.set_forkserver_preload(list(_FORK_SERVER_PRELOAD))
+        self.processes: list[ForkServerProcess] = []
+        self.readers: list[Connection] = []
+        self.tasks: list[Optional[Connection]] = []
+        self.start = time.monotonic()
+        try:
+            for rank in range(world_size):
+                process, reader, tasks = _start_rank(context, rank, world_size, payload, self._store.port, options,
+                                                     pooled)
+                self.processes.append(process)
+                self.readers.append(reader)
+                self.tasks.append(tasks)
+        except BaseException:
+            self.clean_up()
+            raise
+
+    def reports(self, start: float, timeout_s: float, failure_grace_s: float) -> _Outcome:
+        """Every rank's report of the call begun at ``start``; the ranks that gave none by the deadline
+        (or ``failure_grace_s`` after the first failure) are dumped, killed and recorded as hung."""
+        outcome = _wait_for_reports(self.processes, self.readers, start + timeout_s, failure_grace_s)
+        reason = _unfinished_reason(outcome, time.monotonic() - start, timeout_s, failure_grace_s)
+        _kill_unfinished(outcome, self.processes, self.stack_dir, reason)
+        return outcome
+
+    def clean_up(self) -> None:
+        """Kill and reap whatever still runs, close every pipe, remove the stack dumps (idempotent)."""
+        for tasks in self.tasks:
+            if tasks is not None:
+                tasks.close()
+        self.tasks = []
+        if self.stack_dir is not None:
+            _clean_up(self.processes, self.readers, self.stack_dir)
+            self.stack_dir = None
+        self._store = None
+
+
+class RankPool:
+    """``world_size`` rank processes joined in one process group, kept to run one call after another.
+
+    :meth:`run` runs ``fn(rank, world_size, *args)`` on every rank as :func:`run_ranks` does, but
+    in the same processes each time: a call does not pay a fork, a process group and, on GPUs, a
+    CUDA context and the start of NCCL or NVSHMEM (several seconds a spawn on the GPU machines).
+    What a call leaves in its processes (imported modules, a symmetric-memory provider, module
+    globals it changed) is there for the next one: pool only calls that expect that; each call's
+    GPU work is finished and the memory it cached returned before it reports.
+
+    A call that fails in any way (a rank raises, crashes or hangs) ends the pool: every rank is
+    killed (the hung ones with their stacks in the error), the error is raised and later calls are
+    refused. Use as a context manager or call :meth:`close`.
+
+    Args:
+        world_size, dist_backend, gpu, env: as in :func:`run_ranks`, for every call.
+        timeout_s: deadline for the ranks to start and join their group, and the group's timeout.
+    """
+
+    def __init__(self, world_size: int, *, dist_backend: str = "gloo", gpu: bool = False,
+                 env: Optional[Mapping[str, str]] = None, timeout_s: float = 300.0) -> None:
+        _check_world_size(world_size, "RankPool")
+        self.world_size = world_size
+        self._ranks: Optional[_Ranks] = _Ranks(world_size, None, dist_backend, timeout_s, gpu, None, env, pooled=True)
+        outcome = self._ranks.reports(self._ranks.start, timeout_s, failure_grace_s=10.0)
+        if outcome.failures:
+            self._end()
+            raise _rank_failure_error("RankPool start-up", world_size, outcome)
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran or a call failed: the ranks are gone."""
+        return self._ranks is None
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float = 120.0, failure_grace_s: float = 10.0) -> list:
+        """Run ``fn(rank, world_size, *args)`` on every rank of the pool; the values in rank order.
+
+        Args and raises as :func:`run_ranks` (``timeout_s`` is this call's deadline); a failure also
+        closes the pool. Raises RuntimeError on a closed pool.
+        """
+        if self._ranks is None:
+            raise RuntimeError("RankPool.run: the pool is closed (closed by the caller or by a failed call)")
+        payload = _pickled_call(fn, self.world_size, args, None, "RankPool.run")
+        start = time.monotonic()
+        failures = {}
+        for rank, tasks in enumerate(self._ranks.tasks):
+            try:
+                tasks.send(payload)
+            except OSError as exc:  # the rank died since its last call
+                failures[rank] = f"could not be handed the call ({exc})"
+        outcome = self._ranks.reports(start, timeout_s, failure_grace_s)
+        for rank, report in failures.items():
+            outcome.failures.setdefault(rank, report)  # its own report (exit code) says more
+        if outcome.failures:
+            self._end()
+            raise _rank_failure_error(fn, self.world_size, outcome)
+        return [outcome.results[rank] for rank in range(self.world_size)]
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Stop every rank (each tears its group down and exits) and reap them; idempotent.
+
+        Raises:
+            RankFailureError: a rank did not exit by ``timeout_s`` (killed, with its stacks) or exited non-zero.
+        """
+        if self._ranks is None:
+            return
+        for tasks in self._ranks.tasks:
+            try:
+                tasks.send(None)
+            except OSError:
+                pass  # already gone: _wait_for_exits reports its exit code
+        outcome = _Outcome(unfinished=set())
+        try:
+            _wait_for_exits(outcome, self._ranks.processes, self._ranks.stack_dir, time.monotonic() + timeout_s)
+        finally:
+            self._end()
+        if outcome.failures:
+            raise _rank_failure_error("RankPool.close", self.world_size, outcome)
+
+    def _end(self) -> None:
+        self._ranks.clean_up()
+        self._ranks = None
+
+    def __enter__(self) -> "RankPool":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

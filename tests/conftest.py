@@ -1,9 +1,11 @@
-"""Shared pytest setup: the harness importable from every test module, and GPU skips."""
+"""Shared pytest setup: the harness importable from every test module, GPU skips, and the GPU
+tests' order and kept ranks."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -12,6 +14,37 @@ import pytest
 _TESTS = str(Path(__file__).resolve().parent)
 if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Run the GPU tests parametrized by ``backend_id`` last, grouped by backend (in order of first
+    appearance) and world size, each group in collection order: they run on kept ranks (``reuse``
+    in ``multirank``), one pool at a time. The order is all this decides: a test whose ranks differ
+    from its group's (a world size other than the ``world`` parameter's, or than 2 for the tests
+    without one, as all run today) only starts a pool of its own."""
+    def group(item) -> Optional[tuple[str, int]]:
+        callspec = getattr(item, "callspec", None)
+        if item.get_closest_marker("gpu") is None or callspec is None or "backend_id" not in callspec.params:
+            return None
+        return callspec.params["backend_id"], callspec.params.get("world", 2)
+
+    groups = [group(item) for item in items]
+    backends: dict[str, int] = {}
+    for found in groups:
+        if found is not None:
+            backends.setdefault(found[0], len(backends))
+    order = sorted(range(len(items)),
+                   key=lambda n: (-1, 0, n) if groups[n] is None else (backends[groups[n][0]], groups[n][1], n))
+    items[:] = [items[n] for n in order]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _kept_ranks():
+    """Close the kept rank pool at the end of the session (an error there if a rank does not exit cleanly)."""
+    yield
+    import multirank
+
+    multirank.close_pool()
 
 
 def _cuda_device_count() -> int:

@@ -437,4 +437,4 @@ def _rank_main(rank: int, world: int, backend_id: str) -> None:
 def test_backend_matches_reference(backend_id, world, requires_gpus):
     present = requires_gpus(gpus_needed(backend_id, world))
     dist_backend = dist_backend_for(world, present)
-    run_ranks(_rank_main, world, backend_id, dist_backend=dist_backend, gpu=True, timeout_s=600)
+    run_ranks(_rank_main, world, backend_id, reuse=backend_id, dist_backend=dist_backend, gpu=True, timeout_s=600)

@@ -146,8 +146,8 @@ def test_fp8_dispatch_equals_reference_bitwise(backend_id, world, shapes, requir
     from multirank import run_ranks
 
     gpus = requires_gpus(gpus_needed(backend_id, world))
-    per_rank = run_ranks(_rank_fp8_dispatch, world, backend_id, shapes, dist_backend=dist_backend_for(world, gpus),
-                         gpu=True, timeout_s=300)
+    per_rank = run_ranks(_rank_fp8_dispatch, world, backend_id, shapes, reuse=backend_id,
+                         dist_backend=dist_backend_for(world, gpus), gpu=True, timeout_s=300)
     for rank, by_shape in enumerate(per_rank):
         for shape, same in by_shape.items():
             assert same == [True] * 4, f"rank {rank}, shape {shape}: eager, then 3 replays: {same}"
@@ -235,8 +235,8 @@ def test_fp8_layer_trains_on_gpu(backend_id, world, requires_gpus):
     from multirank import run_ranks
 
     gpus = requires_gpus(gpus_needed(backend_id, world))
-    per_rank = run_ranks(_rank_fp8_training, world, backend_id, dist_backend=dist_backend_for(world, gpus), gpu=True,
-                         timeout_s=300)
+    per_rank = run_ranks(_rank_fp8_training, world, backend_id, reuse=backend_id,
+                         dist_backend=dist_backend_for(world, gpus), gpu=True, timeout_s=300)
     for rank, result in enumerate(per_rank):
         tag = f"rank {rank}: {result}"
         assert result["eager_grad"] and result["graph_grad"], tag

@@ -182,7 +182,8 @@ def _rank_main(rank: int, world: int, backend_id: str) -> dict:
 def test_layer_on_gpu_backend(backend_id, requires_gpus):
     gpus = requires_gpus(gpus_needed(backend_id, WORLD))
     dist_backend = dist_backend_for(WORLD, gpus)
-    per_rank = run_ranks(_rank_main, WORLD, backend_id, dist_backend=dist_backend, gpu=True, timeout_s=300)
+    per_rank = run_ranks(_rank_main, WORLD, backend_id, reuse=backend_id, dist_backend=dist_backend, gpu=True,
+                         timeout_s=300)
     for rank, results in enumerate(per_rank):
         for (name, check), errors in results.items():
             dtype = moe_comm.load_config(None, **LAYER_CONFIGS[name][0]).torch_dtype

@@ -42,11 +42,12 @@ def _config(name: str, section: dict, **overrides):
 
 
 def _spawn(backend_id: str, fn, timeout_s: float, requires_gpus) -> list:
-    """Run ``fn`` on 2 ranks of ``backend_id``; ``requires_gpus`` is the test's fixture (skips without the GPUs)."""
+    """Run ``fn`` on the 2 kept ranks of ``backend_id``; ``requires_gpus`` is the test's fixture
+    (skips without the GPUs)."""
     gpus = requires_gpus(gpus_needed(backend_id, 2))
     dist_backend = dist_backend_for(2, gpus)
     name, section = GPU_BACKENDS[backend_id]
-    return run_ranks(fn, 2, name, section, dist_backend=dist_backend, gpu=True, timeout_s=timeout_s)
+    return run_ranks(fn, 2, name, section, reuse=backend_id, dist_backend=dist_backend, gpu=True, timeout_s=timeout_s)
 
 
 def _inputs(num_tokens: int, device, generator: torch.Generator):

@@ -108,8 +108,8 @@ def _rank_main(rank: int, world: int, backend_id: str) -> dict:
 @pytest.mark.parametrize("backend_id, world", [("vmm", 2)])
 def test_expert_parallel_transformers_on_gpu(backend_id, world, requires_gpus):
     gpus = requires_gpus(gpus_needed(backend_id, world))
-    per_rank = run_ranks(_rank_main, world, backend_id, dist_backend=dist_backend_for(world, gpus), gpu=True,
-                         timeout_s=400)
+    per_rank = run_ranks(_rank_main, world, backend_id, reuse=backend_id, dist_backend=dist_backend_for(world, gpus),
+                         gpu=True, timeout_s=400)
     for rank, results in enumerate(per_rank):
         for arch in ARCHS:
             result = results[arch]

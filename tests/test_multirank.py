@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 import moe_comm.spawn
-from moe_comm.spawn import MULTICAST_OFF_ENV
+from moe_comm.errors import RankFailureError
+from moe_comm.spawn import MULTICAST_OFF_ENV, RankPool
 from multirank import run_ranks
 
 
@@ -141,3 +142,83 @@ def test_unpicklable_result_and_function_are_errors():
         run_ranks(_unpicklable, 1, timeout_s=60)
     with pytest.raises(TypeError, match="picklable"):
         run_ranks(lambda rank, world: rank, 1)
+
+
+# ----------------------------------------------------------------------------- kept ranks (RankPool)
+
+
+def _pid_and_sum(rank, world_size, value):
+    total = torch.tensor([rank + value])
+    dist.all_reduce(total)  # the pool's process group still works on every call
+    return os.getpid(), int(total)
+
+
+def _raise_or_hang(rank, world_size, pid_dir):
+    Path(pid_dir, f"{rank}.pid").write_text(str(os.getpid()))
+    if rank == 1:
+        raise ValueError("rank one broke on purpose")
+    _sleep_forever()  # rank 0 never reports: killed after the grace, with its stacks
+
+
+def test_pool_keeps_its_ranks_across_calls_and_ends_at_a_failure(tmp_path):
+    pool = RankPool(2, timeout_s=60)
+    try:
+        first = pool.run(_pid_and_sum, 10, timeout_s=60)
+        second = pool.run(_pid_and_sum, 20, timeout_s=60)
+        assert [total for _, total in first] == [21, 21] and [total for _, total in second] == [41, 41]
+        assert [pid for pid, _ in first] == [pid for pid, _ in second]  # the same processes
+        start = time.monotonic()
+        with pytest.raises(RankFailureError) as info:
+            pool.run(_raise_or_hang, str(tmp_path), timeout_s=60, failure_grace_s=2.0)
+        assert time.monotonic() - start < 30
+        message = str(info.value)
+        assert "ValueError: rank one broke on purpose" in message and "in _raise_or_hang" in message
+        assert info.value.hung == [0] and "_sleep_forever" in message
+        # A failed call ends the pool: its ranks are gone and it refuses further calls.
+        assert pool.closed
+        assert all(_gone(int((tmp_path / f"{rank}.pid").read_text())) for rank in (0, 1))
+        with pytest.raises(RuntimeError, match="closed"):
+            pool.run(_pid_and_sum, 1)
+    finally:
+        pool.close()
+
+
+def _exit_on_rank0(rank, world_size):
+    if rank == 0:
+        os._exit(3)
+    return rank
+
+
+def test_pool_reports_a_rank_that_died_in_a_call():
+    with RankPool(2, timeout_s=60) as pool:
+        with pytest.raises(RankFailureError, match="exited with code 3") as info:
+            pool.run(_exit_on_rank0, timeout_s=60)
+        assert list(info.value.failures) == [0] and pool.closed
+
+
+def test_pool_close_reaps_its_ranks_and_bad_arguments_are_named():
+    with RankPool(1, timeout_s=60) as pool:
+        [(pid, _)] = pool.run(_pid_and_sum, 0, timeout_s=60)
+    assert pool.closed and _gone(pid)
+    pool.close()  # idempotent
+    with pytest.raises(ValueError, match="RankPool world_size: got 0"):
+        RankPool(0)
+
+
+def test_harness_keeps_one_set_of_ranks_at_a_time():
+    import multirank
+
+    try:
+        [(a, _)] = run_ranks(_pid_and_sum, 1, 0, reuse="first", timeout_s=60)
+        [(b, _)] = run_ranks(_pid_and_sum, 1, 0, reuse="first", timeout_s=60)
+        assert a == b
+        [(c, _), (d, _)] = run_ranks(_pid_and_sum, 2, 0, reuse="first", timeout_s=60)
+        assert a not in (c, d) and _gone(a)  # another world size: the first pool is closed
+        [(e, _), _] = run_ranks(_pid_and_sum, 2, 0, reuse="second", timeout_s=60)
+        assert e != c and _gone(c) and _gone(d)  # another key too
+        with pytest.raises(TypeError, match="delay_rank"):
+            run_ranks(_pid_and_sum, 2, 0, reuse="second", delay_rank=(0, 1.0))
+        [(f, _)] = run_ranks(_pid_and_sum, 1, 0, timeout_s=60)  # fresh ranks: the kept ones go first
+        assert _gone(e) and _gone(f)
+    finally:
+        multirank.close_pool()
