@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 import moe_comm
 from gpu_backends import GPU_BACKENDS, dist_backend_for, gpus_needed
-from multirank import run_ranks
+from multirank import close_pool, run_ranks
 
 pytestmark = pytest.mark.gpu
 
@@ -198,8 +198,11 @@ def _failures_and_lifecycle(rank: int, world: int, name: str, section: dict) -> 
 
 @pytest.mark.parametrize("backend_id", list(GPU_BACKENDS))
 def test_failures_are_bounded_and_resources_return(backend_id, requires_gpus):
-    # run_ranks fails if either rank hangs, also in its teardown (process group destroyed at exit).
+    # run_ranks fails if either rank hangs. The timed-out step aborts nccl-collective's communicator
+    # (the group these ranks share with the next tests): their pool closes here, which also checks
+    # their teardown (process group destroyed at exit).
     per_rank = _spawn(backend_id, _failures_and_lifecycle, timeout_s=600, requires_gpus=requires_gpus)
+    close_pool()
     assert [result["misuse"] for result in per_rank] == ["ok", "ok"]
     assert 0 < per_rank[0]["skipped_step_s"] < TIMEOUT_S + 5.0, per_rank
 
