@@ -12,7 +12,11 @@
 //
 // dequantize_rows: packed rows [N, FP8_ROW_BYTES] -> out [N, HIDDEN] DTYPE, bit for bit what
 // moe_comm.fp8.dequantize(*moe_comm.fp8.unpack(packed, HIDDEN), DTYPE) gives: float(e4m3) * scale
-// in float32, rounded to DTYPE; one thread per 16-byte vector of the output.
+// in float32, rounded to DTYPE; one thread per 16-byte vector of the output. With `end` (an int32
+// in device memory: a dispatch output's expert_offsets[-1], the rows it fills) only the rows below
+// min(N, *end); the others are left as they were (a dispatch output's rows there are unspecified,
+// and a grid sized for N reads the bound itself, so the call needs no host sync and replays in a
+// graph with a different bound every step).
 //
 // TOPK is 1 in every build (common.cuh asks for it; these kernels do not use it).
 //
@@ -29,9 +33,11 @@ extern "C" __global__ void quantize_pack(const void* __restrict__ x, int num_tok
                                 static_cast<i64>(gridDim.x) * warps_per_block);
 }
 
-extern "C" __global__ void dequantize_rows(const u8* __restrict__ packed, int num_rows, void* __restrict__ out) {
+extern "C" __global__ void dequantize_rows(const u8* __restrict__ packed, int num_rows, const i32* __restrict__ end,
+                                           void* __restrict__ out) {
     constexpr int kRowVecs = HIDDEN / ELEMS_PER_VEC;
-    const i64 vectors = static_cast<i64>(num_rows) * kRowVecs;
+    const int rows = end == nullptr ? num_rows : min(num_rows, max(*end, 0));
+    const i64 vectors = static_cast<i64>(rows) * kRowVecs;
     for (i64 i = static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x; i < vectors;
          i += static_cast<i64>(gridDim.x) * blockDim.x) {
         const i64 r = i / kRowVecs;

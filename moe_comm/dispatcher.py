@@ -267,6 +267,9 @@ class Dispatcher:
         For FP8 dispatch ``float(out.x) * out.x_scales`` per 128 channels, rounded to the config
         dtype (:func:`moe_comm.dequantize`, in one pass on GPUs of compute capability 8.9 or newer;
         padding rows give zeros); otherwise ``out.x`` itself. For experts that do not take FP8.
+        Rows at or past ``out.expert_offsets[-1]`` are unspecified, as ``out.x``'s are: on a GPU
+        that pass reads the bound on the device and leaves them unwritten (at 8 ranks and T = M,
+        ~7/8 of ``capacity_rows``, which bounds the worst case).
 
         Differentiable with respect to the dispatched ``x`` when it required grad (``out.quantized_from``):
         straight through the quantization, so the backward is a plain dispatch's, an unweighted
@@ -275,10 +278,11 @@ class Dispatcher:
         if out.x_scales is None:
             return out.x
         quantized_from = out.quantized_from if torch.is_grad_enabled() else None
+        end = out.expert_offsets[-1:]
         if torch.compiler.is_compiling():
-            return ops.dequantize_fp8(self._id, out.x, out.x_scales, quantized_from, out.handle.routing)
+            return ops.dequantize_fp8(self._id, out.x, out.x_scales, end, quantized_from, out.handle.routing)
         with torch.no_grad():
-            rows = self._fp8.dequantize(out.x, out.x_scales)
+            rows = self._fp8.dequantize(out.x, out.x_scales, end)
         if quantized_from is None:
             return rows
         return straight_through_rows(self._live_backend(), quantized_from, rows, out.handle.routing)

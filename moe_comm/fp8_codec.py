@@ -63,14 +63,17 @@ class Fp8Codec:
             return kernels.quantize_pack(x)
         return fp8.pack(*fp8.quantize(x, round_scale=self._round_scale))
 
-    def dequantize(self, x_fp8: torch.Tensor, x_scales: torch.Tensor) -> torch.Tensor:
+    def dequantize(self, x_fp8: torch.Tensor, x_scales: torch.Tensor,
+                   end: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``[N, H]`` in the config dtype: ``float(x_fp8) * x_scales`` per 128 channels (:func:`fp8.dequantize`).
 
         One pass on a GPU when the two are the views :func:`fp8.unpack` makes of one allocation
-        of packed rows (a dispatch output's); the torch reference otherwise.
+        of packed rows (a dispatch output's); the torch reference otherwise. ``end``: a dispatch
+        output's ``expert_offsets[-1:]`` (int32, on the device): the rows at or past it, which
+        such an output leaves unspecified, may be left so (the kernel neither reads nor writes them).
         """
         if self._kernels is not None and self._is_packed(x_fp8, x_scales):
-            return self._kernels.dequantize_rows(x_fp8)
+            return self._kernels.dequantize_rows(x_fp8, end)
         return fp8.dequantize(x_fp8, x_scales, self._dtype)
 
     def _is_packed(self, x_fp8: torch.Tensor, x_scales: torch.Tensor) -> bool:

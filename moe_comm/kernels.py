@@ -165,7 +165,7 @@ class Fp8PackKernels:
         # Prepared parameter arrays: building them per launch costs more host time than the launch
         # (kernel_params.KernelParams), which eager FP8 dispatch paid on every call.
         self._quantize_params = kernel_params((), (_P, _I, _P))
-        self._dequantize_params = kernel_params((), (_P, _I, _P))
+        self._dequantize_params = kernel_params((), (_P, _I, _P, _P))
         self._pairs_params = kernel_params((), (_P, _P, _I, _P))
 
     def _grid(self, work_items: int, per_block: int) -> int:
@@ -180,14 +180,19 @@ class Fp8PackKernels:
                                    self._quantize_params.fill((x.data_ptr(), x.shape[0], packed.data_ptr())))
         return packed
 
-    def dequantize_rows(self, x_fp8: torch.Tensor) -> torch.Tensor:
+    def dequantize_rows(self, x_fp8: torch.Tensor, end: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``x_fp8``: the e4m3 view of packed rows (``moe_comm.fp8.unpack``'s first view, row stride
-        ``packed_row_bytes(H)``) -> ``[N, H]`` in the rows' dtype, ``float(x) * scale`` rounded."""
+        ``packed_row_bytes(H)``) -> ``[N, H]`` in the rows' dtype, ``float(x) * scale`` rounded.
+
+        ``end``: a one-element int32 tensor on the device (a dispatch output's ``expert_offsets[-1:]``):
+        only the rows below it are written, the others are left uninitialised; read by the kernel.
+        """
         rows = x_fp8.shape[0]
         out = empty_rows(rows, self._hidden, self._dtype, self._device)
         grid = self._grid(rows * self._hidden * out.element_size() // 16, self._THREADS)
+        end_ptr = 0 if end is None else end.data_ptr()
         self._dequantize_rows.launch(grid, self._THREADS,
-                                     self._dequantize_params.fill((x_fp8.data_ptr(), rows, out.data_ptr())))
+                                     self._dequantize_params.fill((x_fp8.data_ptr(), rows, end_ptr, out.data_ptr())))
         return out
 
     def pack_pairs(self, x_fp8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

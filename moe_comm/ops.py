@@ -162,39 +162,42 @@ def dispatch_fp8(dispatcher_id: int, x: Tensor, x_scales: Optional[Tensor], topk
 
 @torch.library.custom_op("moe_comm::dequantize_fp8", mutates_args=())
 def _dequantize_fp8_op(
-    x_fp8: Tensor, x_scales: Tensor, quantized_from: Optional[Tensor], send_mask: Tensor, dest_rank: Tensor,
-    recv_pos: Tensor, recv_weight: Tensor, dispatcher_id: int,
+    x_fp8: Tensor, x_scales: Tensor, end: Tensor, quantized_from: Optional[Tensor], send_mask: Tensor,
+    dest_rank: Tensor, recv_pos: Tensor, recv_weight: Tensor, dispatcher_id: int,
 ) -> Tensor:
-    """``[N, H]`` config dtype: the FP8 rows dequantized. ``quantized_from``, the ``x`` an FP8 dispatch quantized
-    along the routing, is an input only so autograd can reach it (straight through the quantization)."""
-    return _fp8_codecs[dispatcher_id].dequantize(x_fp8, x_scales)
+    """``[N, H]`` config dtype: the FP8 rows dequantized, those below ``end`` (``expert_offsets[-1:]``) at
+    least (``Fp8Codec.dequantize``). ``quantized_from``, the ``x`` an FP8 dispatch quantized along the
+    routing, is an input only so autograd can reach it (straight through the quantization)."""
+    return _fp8_codecs[dispatcher_id].dequantize(x_fp8, x_scales, end)
 
 
 @_dequantize_fp8_op.register_fake
-def _dequantize_fp8_fake(x_fp8, x_scales, quantized_from, send_mask, dest_rank, recv_pos, recv_weight, dispatcher_id):
+def _dequantize_fp8_fake(x_fp8, x_scales, end, quantized_from, send_mask, dest_rank, recv_pos, recv_weight,
+                         dispatcher_id):
     return x_fp8.new_empty(tuple(x_fp8.shape), dtype=_backend(dispatcher_id).config.torch_dtype)
 
 
 def _dequantize_fp8_setup(ctx, inputs, output) -> None:
     ctx.dispatcher_id = inputs[-1]
-    ctx.save_for_backward(*inputs[3:7])
+    ctx.save_for_backward(*inputs[4:8])
 
 
 def _dequantize_fp8_backward(ctx, grad_rows):
     # Straight through: the rows' gradients go back to their tokens as a config-dtype dispatch's do.
-    return None, None, _rows_grad_to_tokens(ctx, grad_rows), None, None, None, None, None
+    return None, None, None, _rows_grad_to_tokens(ctx, grad_rows), None, None, None, None, None
 
 
 torch.library.register_autograd("moe_comm::dequantize_fp8", _dequantize_fp8_backward,
                                 setup_context=_dequantize_fp8_setup)
 
 
-def dequantize_fp8(dispatcher_id: int, x_fp8: Tensor, x_scales: Tensor, quantized_from: Optional[Tensor],
+def dequantize_fp8(dispatcher_id: int, x_fp8: Tensor, x_scales: Tensor, end: Tensor, quantized_from: Optional[Tensor],
                    routing: Routing) -> Tensor:
-    """The rows of an FP8 dispatch output in the config dtype through the custom op; differentiable
-    with respect to ``quantized_from`` (None: not differentiable)."""
-    return torch.ops.moe_comm.dequantize_fp8(x_fp8, x_scales, quantized_from, routing.send_mask, routing.dest_rank,
-                                             routing.recv_pos, routing.recv_weight, dispatcher_id)
+    """The rows of an FP8 dispatch output in the config dtype through the custom op, those below ``end``
+    (``expert_offsets[-1:]``) at least; differentiable with respect to ``quantized_from`` (None: not
+    differentiable)."""
+    return torch.ops.moe_comm.dequantize_fp8(x_fp8, x_scales, end, quantized_from, routing.send_mask,
+                                             routing.dest_rank, routing.recv_pos, routing.recv_weight, dispatcher_id)
 
 
 # ------------------------------------------------------------------------------------------- combine

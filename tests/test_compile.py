@@ -218,11 +218,12 @@ def _compiled_fp8_rank(rank: int, world_size: int) -> dict:
                                          (x.detach(), None, topk_idx, topk_weights.detach(), ident)),
                    torch.library.opcheck(torch.ops.moe_comm.dispatch_fp8.default,
                                          (*pair, topk_idx, topk_weights.detach(), ident), test_utils=without_schema)]
-        packed, _, _, *routing = torch.ops.moe_comm.dispatch_fp8(x.detach(), None, topk_idx, topk_weights.detach(),
-                                                                 ident)
+        packed, offsets, _, *routing = torch.ops.moe_comm.dispatch_fp8(x.detach(), None, topk_idx,
+                                                                       topk_weights.detach(), ident)
         rows_fp8, rows_scales = moe_comm.fp8.unpack(packed, FP8_HIDDEN)
         reports.append(torch.library.opcheck(torch.ops.moe_comm.dequantize_fp8.default,
-                                             (rows_fp8, rows_scales, x, *routing, ident), test_utils=without_schema))
+                                             (rows_fp8, rows_scales, offsets[-1:], x, *routing, ident),
+                                             test_utils=without_schema))
         results["opcheck"] = [set(report.values()) for report in reports]
 
         def step(x, topk_idx, topk_weights):

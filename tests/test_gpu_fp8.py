@@ -62,6 +62,20 @@ def test_packing_kernels_give_the_reference_bytes_and_rows(dtype, requires_gpus)
     want_rows = fp8.dequantize(*fp8.unpack(want, hidden), dtype=dtype)
     assert torch.equal(rows.isnan(), want_rows.isnan())
     assert torch.equal(rows[~want_rows.isnan()], want_rows[~want_rows.isnan()])
+    # Bounded by an int32 read on the device (a dispatch output's expert_offsets[-1:]): the rows below
+    # it as before, the others never written. Torch's cache hands the call's output the block of the
+    # same size just freed (nothing is allocated in between), filled with a sentinel here, so an
+    # unwritten row keeps the sentinel.
+    packed_x = fp8.unpack(want.cuda(), hidden)[0]
+    for end in (0, 19, tokens, tokens + 5):
+        bound = torch.tensor([end], dtype=torch.int32, device="cuda")
+        sentinel = torch.full((tokens, hidden), 7.0, dtype=dtype, device="cuda")
+        del sentinel
+        bounded = kernels.dequantize_rows(packed_x, bound).cpu()
+        kept = min(end, tokens)
+        assert torch.equal(bounded[:kept].isnan(), want_rows[:kept].isnan()), end
+        assert torch.equal(bounded[:kept][~want_rows[:kept].isnan()], want_rows[:kept][~want_rows[:kept].isnan()])
+        assert torch.equal(bounded[kept:], torch.full((tokens - kept, hidden), 7.0, dtype=dtype)), end
     pairs = kernels.pack_pairs(*(t.cuda() for t in fp8.quantize(x.float().nan_to_num())))
     assert torch.equal(pairs.cpu(), fp8.pack(*fp8.quantize(x.float().nan_to_num())))
 
