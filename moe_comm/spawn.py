@@ -36,7 +36,7 @@ from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from multiprocessing.context import ForkServerContext, ForkServerProcess
 from pathlib import Path
-from typing import Any, Callable, Mapping, NoReturn, Optional
+from typing import Any, Callable, Mapping, NoReturn, Optional, Union
 
 from .errors import RankFailureError
 
@@ -364,8 +364,9 @@ def _clean_up(processes: list[ForkServerProcess], readers: list[Connection], sta
     os.rmdir(stack_dir)
 
 
-def _rank_failure_error(fn: Callable[..., Any], world_size: int, outcome: _Outcome) -> RankFailureError:
-    """The error naming every failed rank with its report, in rank order."""
+def _rank_failure_error(fn: Union[Callable[..., Any], str], world_size: int, outcome: _Outcome) -> RankFailureError:
+    """The error naming every failed rank with its report, in rank order; ``fn`` is the function the
+    ranks ran, or what they were doing (a pool's start-up or close)."""
     failures = outcome.failures
     lines = [f"{len(failures)} of {world_size} ranks failed (fn={getattr(fn, '__qualname__', fn)}):"]
     for rank in sorted(failures):
