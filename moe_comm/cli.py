@@ -359,16 +359,17 @@ def _cmd_compile(args: argparse.Namespace) -> int:
 
     major, minor = jit.nvrtc_version()  # CompileError naming the fix when NVRTC is missing
     overrides = {key: getattr(args, key) for key in _COMPILE_SHAPE_KEYS if getattr(args, key) is not None}
-    config = load_config(args.config, **overrides) if args.config or overrides else None
+    paths = args.config or ([None] if overrides else [])
+    configs = [load_config(path, **overrides) for path in paths]
     total = 0
     for arch in args.arch:
-        paths = jit.compile_all(arch) if config is None else kernels.compile_for_configs([config], arch)
-        total += len(paths)
-        for path in paths:
+        built = kernels.compile_for_configs(configs, arch) if configs else jit.compile_all(arch)
+        total += len(built)
+        for path in built:
             _say(f"{arch}  {path}")
-    what = "every declared kernel build" if config is None else (
-        f"the kernels of {args.config or 'the default config'} (dtype {config.dtype}, hidden {config.hidden}, "
-        f"topk {config.topk})")
+    what = "; ".join(f"{path or 'the default config'} (dtype {config.dtype}, hidden {config.hidden}, topk {config.topk})"
+                     for path, config in zip(paths, configs))
+    what = f"the kernels of {what}" if configs else "every declared kernel build"
     _say(f"compiled {total} kernel build(s), {what}, with NVRTC {major}.{minor} into {jit.cache_dir()}")
     return 0
 
@@ -426,8 +427,9 @@ def _parser() -> argparse.ArgumentParser:
     compile_ = commands.add_parser("compile", help="compile every kernel for GPU architectures with NVRTC (no GPU needed)")
     compile_.add_argument("--arch", action="append", required=True,
                           help="architecture such as sm_90 (sm_80 or newer); repeat for several")
-    compile_.add_argument("--config", help="compile the kernels this YAML config runs (default: every declared "
-                                           "build, which includes the embedded default config's)")
+    compile_.add_argument("--config", action="append",
+                          help="compile the kernels this YAML config runs; repeat for several, compiled at once "
+                               "(default: every declared build, which includes the embedded default config's)")
     compile_.add_argument("--backend", help="with --config or a shape key: override the config's backend "
                                             "(nvshmem with transport put compiles the NVSHMEM build)")
     compile_.add_argument("--hidden", type=_positive, help="override the config's hidden (compiles that config's kernels)")

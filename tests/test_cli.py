@@ -155,6 +155,24 @@ def test_compile_builds_the_kernels_of_a_config(tmp_path, monkeypatch, capsys):
     assert f"the kernels of {config}" in capsys.readouterr().out
 
 
+def test_compile_takes_several_configs_at_once(tmp_path, monkeypatch, capsys):
+    from moe_comm import jit, kernels
+
+    compiled = []
+    monkeypatch.setattr(jit, "nvrtc_version", lambda: (13, 0))
+    monkeypatch.setattr(kernels, "compile_for_configs", lambda configs, arch: compiled.append((configs, arch)) or [])
+    first, second = tmp_path / "train.yaml", tmp_path / "serve.yaml"
+    first.write_text("hidden: 2048\ntopk: 6\n")
+    second.write_text("hidden: 4096\ntopk: 8\ndispatch_dtype: float8_e4m3fn\n")
+    assert cli.main(["compile", "--arch", "sm_90", "--config", str(first), "--config", str(second)]) == 0
+    [(configs, arch)] = compiled
+    assert arch == "sm_90" and [(c.hidden, c.topk, c.dispatch_dtype) for c in configs] == [
+        (2048, 6, None), (4096, 8, "float8_e4m3fn")]
+    out = capsys.readouterr().out
+    assert f"the kernels of {first} (dtype bfloat16, hidden 2048, topk 6); {second} (dtype bfloat16, " \
+           "hidden 4096, topk 8)" in out, out
+
+
 @pytest.mark.parametrize("slab_copies", [1, 2])
 def test_info_reports_the_memory_a_config_takes(tmp_path, slab_copies):
     config = tmp_path / "big.yaml"
