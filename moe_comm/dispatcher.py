@@ -268,8 +268,8 @@ class Dispatcher:
         dtype (:func:`moe_comm.dequantize`, in one pass on GPUs of compute capability 8.9 or newer;
         padding rows give zeros); otherwise ``out.x`` itself. For experts that do not take FP8.
         Rows at or past ``out.expert_offsets[-1]`` are unspecified, as ``out.x``'s are: on a GPU
-        that pass reads the bound on the device and leaves them unwritten (at 8 ranks and T = M,
-        ~7/8 of ``capacity_rows``, which bounds the worst case).
+        the pass reads that bound on the device and leaves them unwritten (they are most rows
+        wherever a rank receives fewer than M * K entries: ~7/8 of them at 8 ranks with T = M).
 
         Differentiable with respect to the dispatched ``x`` when it required grad (``out.quantized_from``):
         straight through the quantization, so the backward is a plain dispatch's, an unweighted
