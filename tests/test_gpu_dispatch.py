@@ -408,10 +408,11 @@ def _rank_main(rank: int, world: int, backend_id: str) -> None:
     backend, section = GPU_BACKENDS[backend_id]
     gloo = dist.new_group(backend="gloo")
     # Every scenario's config has one of these two builds (the one-layout-block scenario's own header aside).
-    compile_kernels([_config(backend, dtype_name, **section) for dtype_name in ("bfloat16", "float32")])
+    configs = {dtype_name: _config(backend, dtype_name, **section) for dtype_name in ("bfloat16", "float32")}
+    compile_kernels(list(configs.values()))
     for dtype_name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
         generator = torch.Generator().manual_seed(1000 * world + rank)
-        with moe_comm.Dispatcher(_config(backend, dtype_name, **section)) as dev, \
+        with moe_comm.Dispatcher(configs[dtype_name]) as dev, \
                 moe_comm.Dispatcher(_config("reference", dtype_name), group=gloo) as ref:
             assert dev.backend_name == backend and ref.backend_name == "reference"
             assert dev.capacity_rows == ref.capacity_rows

@@ -99,14 +99,14 @@ def _same_output(out, ref) -> bool:
             and torch.equal(out.x_scales[:end].cpu(), ref.x_scales[:end]))
 
 
-def _fp8_dispatch_checks(backend: str, section: dict, gloo, gen: torch.Generator, overrides: dict) -> list:
-    """FP8 dispatch of one config shape against the reference: a pre-quantized pair eagerly, then bf16
-    rows quantized inside the call, captured once and replayed with new rows and routing (4 results)."""
-    shape = {**FP8_CONFIG, **overrides}
-    hidden, tokens = shape["hidden"], shape["max_tokens_per_rank"]
+def _fp8_dispatch_checks(config: moe_comm.Config, shape: dict, gloo, gen: torch.Generator) -> list:
+    """FP8 dispatch of one config (a device backend's, built from ``shape``) against the reference: a
+    pre-quantized pair eagerly, then bf16 rows quantized inside the call, captured once and replayed
+    with new rows and routing (4 results)."""
+    hidden, tokens = config.hidden, config.max_tokens_per_rank
     ref_shape = {key: value for key, value in shape.items() if key not in ("num_sms", "sm_budget")}
     results = []
-    with moe_comm.Dispatcher(moe_comm.load_config(None, backend=backend, **section, **shape)) as dev, \
+    with moe_comm.Dispatcher(config) as dev, \
             moe_comm.Dispatcher(moe_comm.load_config(None, backend="reference", **ref_shape), group=gloo) as ref:
         device = dev.device
         x, idx, weights = _fp8_inputs(gen, hidden, tokens)
@@ -136,10 +136,11 @@ def _rank_fp8_dispatch(rank: int, world: int, backend_id: str, shapes: list) -> 
 
     backend, section = GPU_BACKENDS[backend_id]
     gloo = dist.new_group(backend="gloo")
-    compile_kernels([moe_comm.load_config(None, backend=backend, **section, **{**FP8_CONFIG, **overrides})
-                     for overrides in shapes])
+    shaped = [(str(overrides), {**FP8_CONFIG, **overrides}) for overrides in shapes]
+    configs = [moe_comm.load_config(None, backend=backend, **section, **shape) for _, shape in shaped]
+    compile_kernels(configs)
     gen = torch.Generator().manual_seed(rank)
-    return {str(overrides): _fp8_dispatch_checks(backend, section, gloo, gen, overrides) for overrides in shapes}
+    return {name: _fp8_dispatch_checks(config, shape, gloo, gen) for (name, shape), config in zip(shaped, configs)}
 
 
 # Device kernels quantize config-dtype rows themselves: their senders unit by unit (world 2), and
