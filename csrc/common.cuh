@@ -35,7 +35,8 @@
 //                  peer's ack of e - 1.
 //   * state        u64 [STATE_WORDS], local (not symmetric): [STATE_EPOCH + channel] epoch of the
 //                  last completed operation on that channel; [STATE_DONE + slot] done-counters of
-//                  the last-block pattern (SLOT_*); [STATE_CHUNK_DONE + c] those of dispatch's chunks.
+//                  the last-block pattern (SLOT_*); [STATE_CHUNK_DONE + c] those of dispatch's chunks;
+//                  [STATE_CLAIM + (epoch & 1)] dispatch's arrival batch tickets (expand_arrivals).
 //   * timeout phases: TIMEOUT_*, recorded by wait_flag_geq.
 #pragma once
 
@@ -396,6 +397,16 @@ __device__ __forceinline__ bool last_block_done(u64* counter, int blocks) {
     return is_last != 0;
 }
 
+// Block-wide: the waiting half of blocks_barrier (below), for a block outside [first, last) that
+// needs what those blocks stored before their barrier (acquire loads of their stamps).
+__device__ __forceinline__ void wait_blocks(const u64* flags, int first, int last, u64 stamp, i64* status, int rank,
+                                            i64 timeout_ns) {
+    for (int b = first + threadIdx.x; b < last; b += blockDim.x) {
+        wait_flag_geq(flags + b, stamp, status, TIMEOUT_GRID_BARRIER, rank, timeout_ns, true);
+    }
+    __syncthreads();
+}
+
 // Block-wide: a barrier of the blocks whose slots are [first, last) (blocks of the same kernel,
 // which all run at once: grids of at most one block per SM); every one of them calls it with its
 // own slot `me`. Each stamps flags[me] = stamp (a GPU-scope release after a barrier of its
@@ -406,10 +417,7 @@ __device__ __forceinline__ void blocks_barrier(u64* flags, int me, int first, in
                                                int rank, i64 timeout_ns) {
     __syncthreads();
     if (threadIdx.x == 0) st_release_gpu(flags + me, stamp);  // cumulative: the barrier ordered the block's stores
-    for (int b = first + threadIdx.x; b < last; b += blockDim.x) {
-        wait_flag_geq(flags + b, stamp, status, TIMEOUT_GRID_BARRIER, rank, timeout_ns, true);
-    }
-    __syncthreads();
+    wait_blocks(flags, first, last, stamp, status, rank, timeout_ns);
 }
 
 // ------------------------------------------------------------------------- remote writes

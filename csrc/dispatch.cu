@@ -45,8 +45,10 @@
 //   own expansion (the same group, after a barrier of it): copies each of R's own rows (from x)
 //     to the out_x row of each of its kept entries and zeroes every segment's padding rows
 //     [start_j + n_j, end_j) (rows at or past expert_offsets[-1] are not touched).
-//   arrivals (the same group): the same copy for the rows the other ranks send, chunk by chunk as
-//     chunk_c[0][s] >= e says they have landed, so the expansion trails the transfer.
+//   arrivals (the same group, and the senders once their rows are out): the same copy for the rows
+//     the other ranks send, chunk by chunk as chunk_c[0][s] >= e says they have landed, so the
+//     expansion trails the transfer. Past one batch per block of the group, batches go by ticket
+//     (state[STATE_CLAIM + (e & 1)], zeroed by the call before), so late blocks take fewer.
 //   The call ends (end_call): the block counted in last at the start sets state.epoch[0] = e.
 //   (One copy:) instead every block counts itself done at the end, and the last one release-stores
 //   ack[0][R] = e into every source's flags, then sets state.epoch[0] = e.
@@ -661,15 +663,20 @@ __device__ __forceinline__ void expand_rows(RowBatch& batch, const BatchShape& s
     }
 }
 
-// Block-wide, blocks [first_block, gridDim.x), after every source's metadata was acquired: expand
-// the rows the other ranks send, chunk by chunk as they land. The rows t < T_s of every other
-// slab s form pieces p = c * (W - 1) + i (chunk c of the i-th other rank), numbered in that
-// order and cut into batches of consecutive rows, so the blocks sweep the chunks in the order the
-// senders complete them; before a batch, thread j waits for the chunk flag of row j.
+// Block-wide, after every source's metadata was acquired and the layout is visible: expand the
+// rows the other ranks send, chunk by chunk as they land. The rows t < T_s of every other slab s
+// form pieces p = c * (W - 1) + i (chunk c of the i-th other rank), numbered in that order and cut
+// into batches of consecutive rows, so the blocks sweep the chunks in the order the senders
+// complete them; before a batch, thread j waits for the chunk flag of row j. The group, blocks
+// [first_block, gridDim.x), takes one batch per block first (decode sizes need no more); the
+// batches past those go by ticket (atomic adds on `tickets`, zero at the call's start), to the
+// group's blocks and to the senders before it once their rows are out, so blocks that come late
+// (a sender that pushed its rows over NVLink meanwhile) take fewer.
 __device__ __forceinline__ void expand_arrivals(RowBatch& batch, i64 base, int rank, int world, int max_tokens_per_rank,
                                                 int chunk_tokens, u64 epoch, i64* status, i64 timeout_ns,
-                                                int first_block, const u8* recv, const i32* recv_pos,
+                                                int first_block, u64* tickets, const u8* recv, const i32* recv_pos,
                                                 int capacity_rows, u8* out) {
+    __shared__ i64 s_next;  // the block's next batch
     __shared__ i32 s_piece[(MAX_WORLD - 1) * MAX_CHUNKS];  // rows of the pieces before p
     const int others = world - 1;
     const int pieces = others * MAX_CHUNKS;
@@ -702,7 +709,17 @@ __device__ __forceinline__ void expand_arrivals(RowBatch& batch, i64 base, int r
         return static_cast<i64>(source) * max_tokens_per_rank + (lo / others) * static_cast<i64>(chunk_tokens) +
                (v - s_piece[lo]);
     };
-    for (i64 q = blockIdx.x - first_block; q * rows < total; q += blocks) {
+    const i64 batches = (total + rows - 1) / rows;
+    const bool ticketed = batches > blocks;
+    const bool in_group = static_cast<int>(blockIdx.x) >= first_block;
+    if (!in_group && !ticketed) return;
+    if (!in_group) {
+        if (threadIdx.x == 0) s_next = blocks + static_cast<i64>(atomicAdd(tickets, 1ull));
+        __syncthreads();
+    }
+    for (i64 q = in_group ? blockIdx.x - first_block : s_next; q < batches;) {
+        // The next batch's ticket, drawn now: its round trip hides behind this batch.
+        const i64 next = threadIdx.x == 0 && ticketed ? blocks + static_cast<i64>(atomicAdd(tickets, 1ull)) : batches;
         if (threadIdx.x < rows && q * rows + threadIdx.x < total) {
             int piece, source;
             locate(q * rows + threadIdx.x, piece, source);
@@ -717,7 +734,9 @@ __device__ __forceinline__ void expand_arrivals(RowBatch& batch, i64 base, int r
             return locate(v, piece, source);
         }, 0);
         copy_listed_rows(batch, listed, recv, nullptr, false, 0, rank, max_tokens_per_rank, capacity_rows, out);
+        if (threadIdx.x == 0) s_next = next;
         __syncthreads();  // the batch is overwritten next
+        q = s_next;
     }
 }
 
@@ -770,6 +789,15 @@ __device__ __forceinline__ void zero_padding(const i32* s_end, const i32* s_kept
 // them laying out, receive while the senders still send. Dynamic shared memory: the layout's
 // (blockDim.x / 32 + 3) * num_local_experts int32. block_counts [layout_blocks, num_local_experts] int32 and
 // barrier_flags [2, gridDim.x] u64 (zero at first) are this kernel's local scratch.
+// This call's arrival batch tickets (expand_arrivals), state[STATE_CLAIM + (epoch & 1)]; block 0
+// zeroes the other parity's word for the next call on the channel, whichever kernel it is. The
+// previous call, which used that word, has ended (calls of one backend run in stream order), and
+// this one's word was zeroed by the previous call's start.
+__device__ __forceinline__ u64* next_call_tickets_zeroed(u64* state, u64 epoch) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) state[STATE_CLAIM + ((epoch + 1) & 1)] = 0;
+    return state + STATE_CLAIM + (epoch & 1);
+}
+
 extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) dispatch(
     const i64* __restrict__ peers, int rank, int world, int max_tokens_per_rank, u64* state, i64* status, i64 timeout_ns,
     i64 off_meta, i64 off_recv_x, i64 copy_stride, int num_experts, int chunk_tokens, int num_local_experts, int alignment,
@@ -784,6 +812,7 @@ extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) dispatch(
     __shared__ RowBatch batch;
     const Call call = begin_call(s_peer, peers, world, state, CH_TO_DEST, true, SLOT_DISPATCH_EXPAND, copy_stride);
     const u64 epoch = call.epoch;
+    u64* tickets = next_call_tickets_zeroed(state, epoch);
     off_meta += slab_copy(epoch, copy_stride);
     off_recv_x += slab_copy(epoch, copy_stride);
     const int grid = gridDim.x;
@@ -844,7 +873,15 @@ extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) dispatch(
         load_segments(smem, smem + num_local_experts, smem + 2 * num_local_experts, expert_offsets, tokens_per_expert, num_local_experts);
         zero_padding(smem, smem + num_local_experts, smem + 2 * num_local_experts, num_local_experts, capacity_rows, early, out);
         expand_arrivals(batch, s_peer[rank], rank, world, max_tokens_per_rank, chunk_tokens, epoch, status, timeout_ns, early,
-                        recv, recv_pos, capacity_rows, out);
+                        tickets, recv, recv_pos, capacity_rows, out);
+    } else if (world > 1) {
+        // A sender beside an early group, its rows out: it helps expand the rows that arrive, once
+        // the metadata and the group's layout are visible to it.
+        block_wait_flags(s_peer[rank], world, CH_TO_DEST, FLAG_META, epoch, status, TIMEOUT_TO_DEST_ARRIVAL,
+                         timeout_ns);
+        wait_blocks(barrier_flags + grid, early, grid, epoch, status, rank, timeout_ns);
+        expand_arrivals(batch, s_peer[rank], rank, world, max_tokens_per_rank, chunk_tokens, epoch, status, timeout_ns, early,
+                        tickets, recv, recv_pos, capacity_rows, out);
     }
     end_call(call, state, SLOT_DISPATCH_EXPAND, s_peer, rank, world, CH_TO_DEST, copy_stride);
 }
@@ -859,6 +896,7 @@ extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) redispatch(
     __shared__ RowBatch batch;
     const Call call = begin_call(s_peer, peers, world, state, CH_TO_DEST, true, SLOT_DISPATCH_EXPAND, copy_stride);
     const u64 epoch = call.epoch;
+    next_call_tickets_zeroed(state, epoch);
     off_recv_x += slab_copy(epoch, copy_stride);
 
     if (static_cast<int>(blockIdx.x) < num_senders) {

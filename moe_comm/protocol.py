@@ -51,6 +51,7 @@ __all__ = [
     "STATE_EPOCH",
     "STATE_DONE",
     "STATE_CHUNK_DONE",
+    "STATE_CLAIM",
     "STATE_WORDS",
     "SLOT_REDISPATCH_SEND",
     "SLOT_DISPATCH_EXPAND",
@@ -139,10 +140,12 @@ TIMEOUT_PHASES = {
 # Local (not symmetric) state, u64 [STATE_WORDS] per backend: state[STATE_EPOCH + channel] is the
 # epoch of the last completed call on the channel, state[STATE_DONE + slot] the done-counter of
 # the last-block pattern of a phase, state[STATE_CHUNK_DONE + c] (c < MAX_CHUNKS) that of
-# dispatch's chunk c.
+# dispatch's chunk c, state[STATE_CLAIM + (epoch & 1)] the batch tickets of dispatch's arrivals at
+# that epoch parity (each dispatch or redispatch zeroes the next call's word when it starts).
 STATE_EPOCH = 0
 STATE_DONE = 2
 STATE_CHUNK_DONE = 16
+STATE_CLAIM = 24
 STATE_WORDS = 32
 
 # Done-counter slots, one per phase that ends in a signal (dispatch and redispatch share the
@@ -211,8 +214,9 @@ _HEADER_GROUPS = (
      "for an arrival",
      ("TIMEOUT_TO_DEST_ACK", "TIMEOUT_TO_DEST_ARRIVAL", "TIMEOUT_TO_SOURCE_ACK", "TIMEOUT_TO_SOURCE_ARRIVAL",
       "TIMEOUT_GRID_BARRIER")),
-    ("Local state, u64 [STATE_WORDS]: epochs per channel, done-counters per slot, then per chunk",
-     ("STATE_EPOCH", "STATE_DONE", "STATE_CHUNK_DONE", "STATE_WORDS")),
+    ("Local state, u64 [STATE_WORDS]: epochs per channel, done-counters per slot, then per chunk, then "
+     "dispatch's arrival batch tickets per epoch parity",
+     ("STATE_EPOCH", "STATE_DONE", "STATE_CHUNK_DONE", "STATE_CLAIM", "STATE_WORDS")),
     ("Done-counter slots: state[STATE_DONE + slot]",
      ("SLOT_REDISPATCH_SEND", "SLOT_DISPATCH_EXPAND", "SLOT_COMBINE_SEND", "SLOT_COMBINE_RECV",
       "SLOT_VALUES_SEND", "SLOT_VALUES_RECV", "SLOT_DISPATCH_META")),

@@ -305,7 +305,8 @@ def _chunked_scenarios(rank, world, gloo, backend: str, section: dict) -> None:
 
 
 # SM budgets: one SM (every role on one block: metadata, rows, layout, expansion), three (fewer
-# blocks than senders asked for), and the chunked rows on three (chunk flags with few senders).
+# blocks than senders asked for), and the chunked rows on three (chunk flags with few senders,
+# arrival batches by ticket).
 SM_BUDGETS = (1, 3)
 
 
@@ -319,10 +320,17 @@ def _budget_scenarios(rank, world, gloo, backend: str, section: dict) -> None:
             _graph_scenarios(dev, ref, rank, world, torch.bfloat16, generator)
     generator = torch.Generator().manual_seed(1200 + rank)
     chunked = dict(max_tokens_per_rank=CHUNKED_MAX_TOKENS)
-    with moe_comm.Dispatcher(_config(backend, "bfloat16", sm_budget=SM_BUDGETS[-1], **chunked, **section)) as dev, \
-            moe_comm.Dispatcher(_config("reference", "bfloat16", **chunked), group=gloo) as ref:
-        x, idx, weights = _inputs("random", CHUNKED_MAX_TOKENS - 3 * rank, world, torch.bfloat16, generator)
-        _eager_step(dev, ref, rank, world, x, idx, weights, generator, f"chunked on {SM_BUDGETS[-1]} SMs (rank {rank})")
+    # Every block a sender; then one sender beside a group of two blocks, which it joins in the
+    # arrivals once its rows are out (batches by ticket; two calls: the tickets of both parities).
+    for num_sms in (SM_BUDGETS[-1], 1):
+        with moe_comm.Dispatcher(_config(backend, "bfloat16", sm_budget=SM_BUDGETS[-1], num_sms=num_sms, **chunked,
+                                         **section)) as dev, \
+                moe_comm.Dispatcher(_config("reference", "bfloat16", **chunked), group=gloo) as ref:
+            for call in range(2):
+                x, idx, weights = _inputs("random", CHUNKED_MAX_TOKENS - 3 * rank - call, world, torch.bfloat16,
+                                          generator)
+                tag = f"chunked on {SM_BUDGETS[-1]} SMs, {num_sms} sending, call {call} (rank {rank})"
+                _eager_step(dev, ref, rank, world, x, idx, weights, generator, tag)
 
 
 def _many_experts_scenario(rank, world, gloo, backend: str, section: dict) -> None:
