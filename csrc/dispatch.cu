@@ -784,11 +784,6 @@ __device__ __forceinline__ void zero_padding(const i32* s_end, const i32* s_kept
 
 // ---------------------------------------------------------------------------------- kernels
 
-// One block per SM (gridDim.x <= SMs: blocks wait for each other). Blocks [0, num_senders) send;
-// the blocks after them (the early group; every block when all send), the last layout_blocks of
-// them laying out, receive while the senders still send. Dynamic shared memory: the layout's
-// (blockDim.x / 32 + 3) * num_local_experts int32. block_counts [layout_blocks, num_local_experts] int32 and
-// barrier_flags [2, gridDim.x] u64 (zero at first) are this kernel's local scratch.
 // This call's arrival batch tickets (expand_arrivals), state[STATE_CLAIM + (epoch & 1)]; block 0
 // zeroes the other parity's word for the next call on the channel, whichever kernel it is. The
 // previous call, which used that word, has ended (calls of one backend run in stream order), and
@@ -798,6 +793,12 @@ __device__ __forceinline__ u64* next_call_tickets_zeroed(u64* state, u64 epoch) 
     return state + STATE_CLAIM + (epoch & 1);
 }
 
+// One block per SM (gridDim.x <= SMs: blocks wait for each other). Blocks [0, num_senders) send;
+// the blocks after them (the early group; every block when all send), the last layout_blocks of
+// them laying out, receive while the senders still send, and the senders then join the arrivals.
+// Dynamic shared memory: the layout's (blockDim.x / 32 + 3) * num_local_experts int32.
+// block_counts [layout_blocks, num_local_experts] int32 and barrier_flags [2, gridDim.x] u64 (zero
+// at first) are this kernel's local scratch.
 extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) dispatch(
     const i64* __restrict__ peers, int rank, int world, int max_tokens_per_rank, u64* state, i64* status, i64 timeout_ns,
     i64 off_meta, i64 off_recv_x, i64 copy_stride, int num_experts, int chunk_tokens, int num_local_experts, int alignment,
