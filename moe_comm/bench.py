@@ -76,6 +76,8 @@ class BenchOptions:
     repeats: timed measurements per median.
     warmup: untimed runs first. baselines: also run the all-to-all baselines (CUDA only).
     budget_sweep / sweep_tokens: ``sm_budget`` values timed (graph-replayed, uniform routing) at these T.
+    sender_sweep: ``num_sms`` values timed at each budget of the sweep (empty: ``num_sms`` alone), to
+    choose how many of a budget's blocks send (the others expand meanwhile).
     overlap_budgets / overlap_tokens: ``sm_budget`` values at which dispatch+combine runs beside a
     bf16 GEMM of ``overlap_gemm`` cubed on another stream (see :func:`_measure_overlap`), at this T.
     fp8: also time moe_comm with ``dispatch_dtype: float8_e4m3fn`` on every workload (rows
@@ -97,6 +99,7 @@ class BenchOptions:
     baselines: bool = True
     budget_sweep: tuple = ()
     sweep_tokens: tuple = (128, 4096)
+    sender_sweep: tuple = ()
     overlap_budgets: tuple = ()
     overlap_tokens: int = 4096
     overlap_gemm: int = 8192
@@ -253,22 +256,25 @@ def _moe_comm_step(disp: Dispatcher, inputs: tuple) -> torch.Tensor:
     return disp.combine(_expert_rows(disp, out), out.handle)
 
 
-def _config(options: BenchOptions, work: _Workload, sm_budget: Optional[int], dispatch_dtype: Optional[str] = None):
+def _config(options: BenchOptions, work: _Workload, sm_budget: Optional[int], dispatch_dtype: Optional[str] = None,
+            num_sms: Optional[int] = None):
     return load_config(
         None, backend=options.backend, num_experts=options.num_experts, topk=options.topk, hidden=options.hidden,
-        max_tokens_per_rank=max(work.static[0].shape[0], 1), dtype=options.dtype, num_sms=options.num_sms,
+        max_tokens_per_rank=max(work.static[0].shape[0], 1), dtype=options.dtype,
+        num_sms=options.num_sms if num_sms is None else num_sms,
         sm_budget=sm_budget, dispatch_dtype=dispatch_dtype, slab_copies=options.slab_copies,
     )
 
 
 def _measure_moe_comm(options: BenchOptions, work: _Workload, group, sm_budget: Optional[int], graphs: bool,
-                      dispatch_dtype: Optional[str] = None) -> dict:
+                      dispatch_dtype: Optional[str] = None, num_sms: Optional[int] = None) -> dict:
     """Times (per mode), the combine error and the bytes of one workload on moe_comm.
 
     ``dispatch_dtype``: the config's (FP8 dispatch quantizes the bf16 inputs inside the timed
     dispatch; the identity experts dequantize, outside the dispatch and combine times).
+    ``num_sms``: the senders (None: ``options.num_sms``).
     """
-    cfg = _config(options, work, sm_budget, dispatch_dtype)
+    cfg = _config(options, work, sm_budget, dispatch_dtype, num_sms)
     result = {}
     with Dispatcher(cfg, group=group) as disp:
         timer = _Timer(disp.device, group, options.repeats, options.warmup)
@@ -459,6 +465,23 @@ def _symm_baseline_rows(state: list, options: BenchOptions, work: _Workload, dev
                 extra={"combine_error": None})]
 
 
+def _budget_sweep_rows(options: BenchOptions, group, rank: int, device: torch.device) -> list[Row]:
+    """Graph-replayed rows (uniform routing) of each ``sm_budget`` of ``options.budget_sweep`` at each
+    of ``options.sweep_tokens``, once per ``num_sms`` of ``options.sender_sweep`` (default: ``num_sms``)."""
+    rows = []
+    for num_tokens in options.sweep_tokens if options.budget_sweep else ():
+        work = _Workload(options, num_tokens, "uniform", rank, device)
+        for budget in options.budget_sweep:
+            for senders in options.sender_sweep or (options.num_sms,):
+                moe = _measure_moe_comm(options, work, group, budget, graphs=True, num_sms=senders)
+                swept = _rows("moe_comm", {k: v for k, v in moe.items() if k != "eager"}, num_tokens, "uniform",
+                              senders, moe["cross_bytes"], moe["received_bytes"], budget)
+                for row in swept:
+                    row.mode = "graph (sm_budget sweep)"
+                rows += swept
+    return rows
+
+
 def bench_rank(rank: int, world_size: int, options: BenchOptions) -> list[dict]:
     """Run every workload on this rank (collective); returns rank-averaged rows on rank 0, [] elsewhere."""
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -489,15 +512,7 @@ def bench_rank(rank: int, world_size: int, options: BenchOptions) -> list[dict]:
                 rows += _symm_baseline_rows(symm_state, options, work, device, group, num_tokens, routing)
             if rank == 0:
                 print(f"moe-comm bench: {routing} T={num_tokens} done", file=sys.stderr, flush=True)
-    for num_tokens in options.sweep_tokens if options.budget_sweep else ():
-        work = _Workload(options, num_tokens, "uniform", rank, device)
-        for budget in options.budget_sweep:
-            moe = _measure_moe_comm(options, work, group, budget, graphs=True)
-            swept = _rows("moe_comm", {k: v for k, v in moe.items() if k != "eager"}, num_tokens, "uniform",
-                          options.num_sms, moe["cross_bytes"], moe["received_bytes"], budget)
-            for row in swept:
-                row.mode = "graph (sm_budget sweep)"
-            rows += swept
+    rows += _budget_sweep_rows(options, group, rank, device)
     if options.overlap_budgets and device.type == "cuda":
         work = _Workload(options, options.overlap_tokens, "uniform", rank, device)
         rows += [_measure_overlap(options, work, group, budget) for budget in options.overlap_budgets]
@@ -637,6 +652,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="receive slab copies of the device backends (2: by call parity, no acks; 1: acks)")
     parser.add_argument("--sweep-budget", type=int, nargs="*", default=[],
                         help=f"sm_budget values to time at T = {' '.join(map(str, defaults.sweep_tokens))}")
+    parser.add_argument("--sweep-senders", type=int, nargs="+", default=[], metavar="NUM_SMS",
+                        help="num_sms values (senders) to time at each --sweep-budget value")
     parser.add_argument("--overlap", type=int, nargs="*", default=None, metavar="BUDGET",
                         help="time dispatch+combine beside a GEMM on another stream at these sm_budget values "
                              f"(default with no values: 132 64 24 16 8 4), T = {defaults.overlap_tokens}")
@@ -660,6 +677,7 @@ def _options(args: argparse.Namespace, gpus: int) -> BenchOptions:
         num_experts=chosen["num_experts"], topk=chosen["topk"], backend=args.backend if gpus else "reference",
         num_sms=args.num_sms, repeats=chosen["repeats"], baselines=not args.no_baselines,
         sm_budget=args.sm_budget, slab_copies=args.slab_copies, budget_sweep=tuple(args.sweep_budget),
+        sender_sweep=tuple(args.sweep_senders),
         overlap_budgets=_OVERLAP_BUDGETS if args.overlap == [] else tuple(args.overlap or ()),
         dtype="bfloat16" if gpus else "float32", fp8=args.fp8,
     )
@@ -673,11 +691,15 @@ def _check_options(options: BenchOptions, world_size: int) -> None:
     """
     for name, values in (("--tokens", options.tokens), ("--repeats", (options.repeats,)),
                          ("--sweep-budget", options.budget_sweep), ("--num-sms", (options.num_sms,)),
+                         ("--sweep-senders", options.sender_sweep),
                          ("--overlap", options.overlap_budgets),
                          ("--sm-budget", () if options.sm_budget is None else (options.sm_budget,))):
         bad = [value for value in values if value < 1]
         if bad:
             raise ConfigError(f"{name}: got {' '.join(map(str, bad))}, expected positive integers")
+    if options.sender_sweep and not options.budget_sweep:
+        raise ConfigError("--sweep-senders: times num_sms at each --sweep-budget value, and no --sweep-budget "
+                          "was given")
     config = load_config(
         None, backend=options.backend, num_experts=options.num_experts, topk=options.topk, hidden=options.hidden,
         max_tokens_per_rank=max(options.tokens), dtype=options.dtype, num_sms=options.num_sms,

@@ -198,12 +198,38 @@ def test_cpu_defaults_are_a_smoke_run_and_flags_win():
     (["--tokens", "4", "0"], "--tokens: got 0"),
     (["--sm-budget", "0"], "--sm-budget: got 0"),
     (["--overlap", "24", "-1"], "--overlap: got -1"),
+    (["--sweep-budget", "24", "--sweep-senders", "8", "0"], "--sweep-senders: got 0"),
+    (["--sweep-senders", "8"], "no --sweep-budget was given"),
 ])
 def test_bad_workload_is_one_line_before_any_rank_starts(argv, fragment, capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # --ranks counts CPU ranks
     assert bench.main(argv + ["--out", "/nonexistent/never-written"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("moe-comm bench: error: ") and fragment in err and err.count("\n") == 1
+
+
+def test_budget_sweep_times_every_sender_count_at_every_budget(monkeypatch):
+    measured = []
+
+    def measure(options, work, group, sm_budget, graphs, dispatch_dtype=None, num_sms=None):
+        measured.append((work, sm_budget, num_sms, graphs))
+        times = {"dispatch_us": 10.0 * num_sms, "combine_us": 5.0, "total_us": 10.0 * num_sms + 5.0}
+        return {"error": 0.0, "cross_bytes": 0, "received_bytes": 0, "eager": times, "graph": times}
+
+    monkeypatch.setattr(bench, "_Workload", lambda options, num_tokens, routing, rank, device: num_tokens)
+    monkeypatch.setattr(bench, "_measure_moe_comm", measure)
+    args = bench._parser().parse_args(["--sweep-budget", "24", "16", "--sweep-senders", "8", "24"])
+    options = bench._options(args, gpus=1)
+    rows = bench._budget_sweep_rows(options, None, 0, torch.device("cpu"))
+    assert measured == [(tokens, budget, senders, True) for tokens in (128, 4096) for budget in (24, 16)
+                        for senders in (8, 24)]
+    assert [(r.tokens, r.sm_budget, r.num_sms, r.mode, r.dispatch_us) for r in rows] == [
+        (tokens, budget, senders, "graph (sm_budget sweep)", 10.0 * senders)
+        for tokens in (128, 4096) for budget in (24, 16) for senders in (8, 24)]
+    # Without --sweep-senders each budget is timed once, at --num-sms.
+    measured.clear()
+    options = bench._options(bench._parser().parse_args(["--sweep-budget", "24", "--num-sms", "12"]), gpus=1)
+    assert [row.num_sms for row in bench._budget_sweep_rows(options, None, 0, torch.device("cpu"))] == [12, 12]
 
 
 def test_overlap_rows_keep_their_times_and_get_their_own_table(monkeypatch):
