@@ -13,8 +13,9 @@
 //
 // One kernel per call, `dispatch`, on one block per SM (its blocks wait for each other, so all of
 // them must be resident at once). Blocks [0, num_senders) send (num_senders: the SM budget of
-// pushing rows); the blocks after them, when there are any, form the "early group", which lays out
-// and expands what it can while the rows are still in flight. Phases, on rank R:
+// pushing rows; 0 at world 1, where no row leaves the rank); the blocks after them, when there are
+// any, form the "early group", which lays out and expands what it can while the rows are still in
+// flight. Phases, on rank R:
 //   send metadata (blocks [0, meta_blocks), one warp per token; meta_blocks = the larger of
 //     num_senders and min(grid, ceil(T / warps per block)): the layout waits for all of it, so at
 //     large T it is spread over the whole grid). (One copy:) every warp of these blocks first
@@ -78,13 +79,13 @@
 #if FP8_ROWS
 // FP8 dispatch of config-dtype x (`quantize`) builds the packed rows (common.cuh's FP8_ROW_BYTES)
 // from x's DTYPE rows itself, so no pass over x runs before the kernel: the senders quantize each
-// unit as they send it (fp8.cuh's quantize_unit). This rank's own rows: up to
-// FP8_PACK_OWN_MAX_TOKENS tokens, the early group's blocks that do not lay out pack them into the
-// own slab while the metadata travels and the layout runs, and the own expansion copies them from
-// there like any slab rows (the quantization then stays off the expansion's path); past that the
-// packing outlasts the layout, and the own expansion quantizes each unit it copies instead (no
-// round trip of the packed rows through memory). FP8 dispatch of packed rows (x_fp8 and scales,
-// packed by fp8.cu's pack_pairs) copies them like any rows.
+// unit as they send it (fp8.cuh's quantize_unit). This rank's own rows: those of the first
+// FP8_PACK_OWN_MAX_TOKENS tokens are packed into the own slab by the early group's blocks that do
+// not lay out, while the metadata travels and the layout runs, and the own expansion copies them
+// from there like any slab rows (their quantization off the expansion's path, their packed bytes
+// still in L2); more would outlast the layout, so the own expansion quantizes each unit of the
+// rest as it copies it (no round trip of those rows through memory). FP8 dispatch of packed rows
+// (x_fp8 and scales, packed by fp8.cu's pack_pairs) copies them like any rows.
 
 #if PUT_TRANSPORT
 // Warp-wide: what unit `chunk` of a quantized row stored into the staged row (store_fp8_unit) goes
@@ -608,8 +609,8 @@ __device__ __forceinline__ BatchShape slab_rows(SlabRows set, int rank, int worl
 // sources wrote them before a flag this block acquired. A call whose waits timed out may carry
 // own rows past num_tokens: they are skipped.
 __device__ __forceinline__ void copy_listed_rows(const RowBatch& batch, int listed, const u8* recv, const u8* x,
-                                                 bool quantize_own, int num_tokens, int rank, int max_tokens_per_rank,
-                                                 int capacity_rows, u8* out) {
+                                                 bool quantize_own, int packed_own, int num_tokens, int rank,
+                                                 int max_tokens_per_rank, int capacity_rows, u8* out) {
     typedef RowParts<EXPAND_VPL> Chunks;
     const int lane = threadIdx.x & 31;
     const int warps = blockDim.x >> 5;
@@ -622,7 +623,7 @@ __device__ __forceinline__ void copy_listed_rows(const RowBatch& batch, int list
         const i64 g = batch.row[r];
         const int v0 = chunk * Chunks::kVecs + lane;
         Vec16 vals[EXPAND_VPL];
-        if (g >= own_first && g < own_first + max_tokens_per_rank) {
+        if (g >= own_first && g < own_first + max_tokens_per_rank && g - own_first >= packed_own) {
             if (g - own_first >= num_tokens) continue;
 #if FP8_ROWS
             if (quantize_own) {
@@ -636,11 +637,7 @@ __device__ __forceinline__ void copy_listed_rows(const RowBatch& batch, int list
                 continue;
             }
 #endif
-            if (x != nullptr) {
-                load_unit<EXPAND_VPL, kUserInput>(x + (g - own_first) * ROW_BYTES, vals, v0);
-            } else {
-                load_unit<EXPAND_VPL, kWrittenHere>(recv + g * ROW_BYTES, vals, v0);
-            }
+            load_unit<EXPAND_VPL, kUserInput>(x + (g - own_first) * ROW_BYTES, vals, v0);
         } else {
             load_unit<EXPAND_VPL, kWrittenHere>(recv + g * ROW_BYTES, vals, v0);
         }
@@ -654,11 +651,12 @@ __device__ __forceinline__ void copy_listed_rows(const RowBatch& batch, int list
 // Block-wide, blocks [first_block, gridDim.x): expand every carried slab row of `shape`'s set
 // (recv_pos [W * M, K] may have been written by other blocks of this kernel: plain loads).
 __device__ __forceinline__ void expand_rows(RowBatch& batch, const BatchShape& shape, int first_block, const u8* recv,
-                                            const u8* x, bool quantize_own, int num_tokens, int rank,
+                                            const u8* x, bool quantize_own, int packed_own, int num_tokens, int rank,
                                             int max_tokens_per_rank, const i32* recv_pos, int capacity_rows, u8* out) {
     for (i64 q = blockIdx.x - first_block; q < shape.count; q += gridDim.x - first_block) {
         const int listed = block_load_batch(batch, recv_pos, nullptr, shape, q, 0);
-        copy_listed_rows(batch, listed, recv, x, quantize_own, num_tokens, rank, max_tokens_per_rank, capacity_rows, out);
+        copy_listed_rows(batch, listed, recv, x, quantize_own, packed_own, num_tokens, rank, max_tokens_per_rank,
+                         capacity_rows, out);
         __syncthreads();  // the batch is overwritten next
     }
 }
@@ -733,7 +731,7 @@ __device__ __forceinline__ void expand_arrivals(RowBatch& batch, i64 base, int r
             int piece, source;
             return locate(v, piece, source);
         }, 0);
-        copy_listed_rows(batch, listed, recv, nullptr, false, 0, rank, max_tokens_per_rank, capacity_rows, out);
+        copy_listed_rows(batch, listed, recv, nullptr, false, 0, 0, rank, max_tokens_per_rank, capacity_rows, out);
         if (threadIdx.x == 0) s_next = next;
         __syncthreads();  // the batch is overwritten next
         q = s_next;
@@ -840,23 +838,24 @@ extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) dispatch(
     }
 
     if (block >= early) {
-        // FP8: this rank's rows were packed into its own slab, where the own expansion reads them.
-        bool own_rows_packed = false;
+        // FP8: this rank's rows t < packed_own were packed into its own slab, where the own
+        // expansion reads them; it quantizes the rest from x.
+        int packed_own = 0;
 #if FP8_ROWS
         // Own rows packed while the metadata travels, on the blocks that do not lay out (all of the
         // group when every one does); the barrier below orders them before the own expansion. With
         // puts the senders stage rows in the same slab rows: the same bytes.
-        if (quantize && num_tokens <= FP8_PACK_OWN_MAX_TOKENS) {
+        if (quantize) {
+            packed_own = min(num_tokens, FP8_PACK_OWN_MAX_TOKENS);
             const int packers_end = layout_first > early ? layout_first : grid;
             if (block < packers_end) {
                 const i64 warps_per_block = blockDim.x >> 5;
                 u8* own_slab = reinterpret_cast<u8*>(s_peer[rank] + off_recv_x) +
                                static_cast<i64>(rank) * max_tokens_per_rank * ROW_BYTES;
-                quantize_rows<FP8_UNIT_VPL>(static_cast<const u8*>(x), num_tokens, own_slab,
+                quantize_rows<FP8_UNIT_VPL>(static_cast<const u8*>(x), packed_own, own_slab,
                                             (block - early) * warps_per_block + (threadIdx.x >> 5),
                                             (packers_end - early) * warps_per_block);
             }
-            own_rows_packed = true;
         }
 #endif
         block_wait_flags(s_peer[rank], world, CH_TO_DEST, FLAG_META, epoch, status, TIMEOUT_TO_DEST_ARRIVAL,
@@ -868,8 +867,8 @@ extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) dispatch(
         }
         blocks_barrier(barrier_flags + grid, block, early, grid, epoch, status, rank, timeout_ns);
         expand_rows(batch, slab_rows(OWN_SLAB, rank, world, max_tokens_per_rank, grid - early), early, recv,
-                    own_rows_packed ? nullptr : static_cast<const u8*>(x), quantize && !own_rows_packed, num_tokens,
-                    rank, max_tokens_per_rank, recv_pos, capacity_rows, out);
+                    static_cast<const u8*>(x), quantize != 0, packed_own, num_tokens, rank, max_tokens_per_rank, recv_pos,
+                    capacity_rows, out);
         // The segments only after the own rows: their loads would delay the first row copies.
         load_segments(smem, smem + num_local_experts, smem + 2 * num_local_experts, expert_offsets, tokens_per_expert, num_local_experts);
         zero_padding(smem, smem + num_local_experts, smem + 2 * num_local_experts, num_local_experts, capacity_rows, early, out);
@@ -913,7 +912,7 @@ extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) redispatch(
     block_wait_flags(s_peer[rank], world, CH_TO_DEST, FLAG_ARRIVAL, epoch, status, TIMEOUT_TO_DEST_ARRIVAL,
                      timeout_ns);
     expand_rows(batch, slab_rows(ALL_SLABS, rank, world, max_tokens_per_rank, gridDim.x), 0,
-                reinterpret_cast<const u8*>(s_peer[rank] + off_recv_x), static_cast<const u8*>(x), false, num_tokens, rank,
+                reinterpret_cast<const u8*>(s_peer[rank] + off_recv_x), static_cast<const u8*>(x), false, 0, num_tokens, rank,
                 max_tokens_per_rank, recv_pos, capacity_rows, static_cast<u8*>(out_x));
     end_call(call, state, SLOT_DISPATCH_EXPAND, s_peer, rank, world, CH_TO_DEST, copy_stride);
 }

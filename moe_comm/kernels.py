@@ -249,7 +249,8 @@ class DispatchKernels:
     must be resident at once; 512 threads of up to 128 registers fill an SM, so the grid's blocks
     land on as many SMs and the others stay free); the first ``num_sms`` blocks push rows to peers
     while the others lay out and expand what has landed (every block does both when ``num_sms``
-    covers the budget).
+    covers the budget; at world 1, where no row leaves the rank, none sends and every block lays out
+    and expands).
 
     Args:
         device: the CUDA device (with an index). defines: :func:`kernel_defines`.
@@ -290,6 +291,7 @@ class DispatchKernels:
         self._redispatch = load("redispatch")
         self._grid = grid_sms
         self._num_sms = min(num_sms, grid_sms)
+        self._world_size = args.world_size
         self._send_parts = _parts_per_row(regions.row_bytes, protocol.SEND_VPL)
         prefix = args.prefix()
 
@@ -339,7 +341,8 @@ class DispatchKernels:
         ``out_x`` holds packed FP8 rows, and ``x`` too, or with ``quantize`` rows of the build's dtype
         that the kernel quantizes as it sends and expands them."""
         num_tokens = x.shape[0]
-        senders = self._senders(num_tokens)
+        # At world 1 no row leaves the rank: no block is held back to send, every one lays out and expands.
+        senders = self._senders(num_tokens) if self._world_size > 1 else 0
         # The layout runs on blocks that do not send when there are any (it then overlaps the sends).
         idle = self._grid - senders
         layout_blocks = min(self._layout_blocks, idle) if idle > 0 else self._layout_blocks

@@ -186,10 +186,10 @@ VALUES_THREADS = 512
 LAYOUT_ROWS_PER_BLOCK = 256
 # 16-byte e4m3 vectors per lane of a warp's unit when a kernel quantizes rows (csrc/fp8.cuh).
 FP8_UNIT_VPL = 4
-# FP8 dispatch of config-dtype rows: up to this many tokens the own rows are packed while the
-# metadata travels, past it the own expansion quantizes them (csrc/dispatch.cu; the two met at
-# 2048 on one H200, the expansion 11 us ahead at 4096, the packing up to 3 us ahead below).
-FP8_PACK_OWN_MAX_TOKENS = 2048
+# FP8 dispatch of config-dtype rows: the own rows of the first this many tokens are packed while
+# the metadata travels and the layout runs, the own expansion quantizes the rest (csrc/dispatch.cu).
+# One H200, world 1, T=4096: 110.2 / 107.4 / 107.7 / 108.6 us with 0 / 1024 / 1536 / 2048 packed.
+FP8_PACK_OWN_MAX_TOKENS = 1024
 
 
 def meta_words(topk: int) -> int:

@@ -144,8 +144,9 @@ def _rank_fp8_dispatch(rank: int, world: int, backend_id: str, shapes: list) -> 
 
 
 # Device kernels quantize config-dtype rows themselves: their senders unit by unit (world 2), and
-# the blocks that neither send nor lay out pack the own rows (a budget of senders leaves some), or
-# past protocol.FP8_PACK_OWN_MAX_TOKENS (2048) tokens the own expansion quantizes them (2100).
+# the blocks that neither send nor lay out pack the own rows of the first
+# protocol.FP8_PACK_OWN_MAX_TOKENS (1024) tokens (a budget of senders leaves some), and the own
+# expansion quantizes those of the tokens past it (2100 tokens: both).
 # 1152 channels: 9 blocks, so the packed row ends in 28 zero bytes and a unit's last lanes idle.
 # The other backends at world 1 (one GPU) and world 2 (their peers' rows cross GPUs, over
 # NVSHMEM's puts too). Shapes of one backend and world share one spawn of ranks.

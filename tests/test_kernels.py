@@ -66,8 +66,9 @@ class _Recorder:
         self.values.append(params.values())
 
 
-def _launch_every_kernel(monkeypatch, num_sms: int, grid_sms: int, tokens: int) -> dict:
-    """Launch each kernel once through recording stand-ins; returns (file, entry) -> recorder."""
+def _launch_every_kernel(monkeypatch, num_sms: int, grid_sms: int, tokens: int, world: int = WORLD) -> dict:
+    """Launch each kernel once through recording stand-ins (as rank 0 of ``world``); returns (file, entry) ->
+    recorder."""
     recorders = {}
 
     def load(device, name, entry, defines={}, **_):
@@ -76,10 +77,10 @@ def _launch_every_kernel(monkeypatch, num_sms: int, grid_sms: int, tokens: int) 
     monkeypatch.setattr(driver, "load_function", load)
     cpu = torch.device("cpu")
     defines = kernels.kernel_defines(torch.bfloat16, HIDDEN, TOPK)
-    args = kernels.CommArgs(peers_ptr=0x1000, rank=0, world_size=WORLD, max_tokens_per_rank=MAX_TOKENS, state_ptr=0x2000,
+    args = kernels.CommArgs(peers_ptr=0x1000, rank=0, world_size=world, max_tokens_per_rank=MAX_TOKENS, state_ptr=0x2000,
                             status_ptr=0x3000, timeout_ns=10**9)
-    layout = protocol.SymmetricRegions.plan(WORLD, MAX_TOKENS, TOPK, HIDDEN * 2)
-    local = EXPERTS // WORLD
+    layout = protocol.SymmetricRegions.plan(world, MAX_TOKENS, TOPK, HIDDEN * 2)
+    local = EXPERTS // world
     capacity_rows = 64
     dispatch = kernels.DispatchKernels(cpu, defines, args, layout, num_experts=EXPERTS, num_local_experts=local,
                                        expert_alignment=4, expert_capacity=None, capacity_rows=capacity_rows,
@@ -90,10 +91,10 @@ def _launch_every_kernel(monkeypatch, num_sms: int, grid_sms: int, tokens: int) 
     x = torch.zeros(tokens, HIDDEN, dtype=torch.bfloat16)
     idx = torch.zeros(tokens, TOPK, dtype=torch.int64)
     weights = torch.zeros(tokens, TOPK)
-    send_mask = torch.zeros(tokens, WORLD, dtype=torch.bool)
+    send_mask = torch.zeros(tokens, world, dtype=torch.bool)
     dest_rank = torch.zeros(tokens, TOPK, dtype=torch.int32)
-    recv_pos = torch.zeros(WORLD, MAX_TOKENS, TOPK, dtype=torch.int32)
-    recv_weight = torch.zeros(WORLD, MAX_TOKENS, TOPK)
+    recv_pos = torch.zeros(world, MAX_TOKENS, TOPK, dtype=torch.int32)
+    recv_weight = torch.zeros(world, MAX_TOKENS, TOPK)
     counts = torch.zeros(local, dtype=torch.int32)
     rows = torch.zeros(capacity_rows, HIDDEN, dtype=torch.bfloat16)
     routing = kernels.RoutingAddresses(send_mask.data_ptr(), dest_rank.data_ptr(), recv_pos.data_ptr(),
@@ -126,6 +127,17 @@ def test_sm_budget_bounds_every_grid(monkeypatch):
     assert grids[("dispatch", "dispatch")] == [3] and grids[("combine", "combine")] == [3]
     senders = recorders[("dispatch", "dispatch")].values[0][_parameter_index("dispatch", "dispatch", "num_senders")]
     assert 1 <= senders <= 3
+
+
+def test_world_one_dispatch_holds_no_block_back_to_send(monkeypatch):
+    # At world 1 no row leaves the rank: dispatch gets no senders (every block lays out and
+    # expands); redispatch keeps one or more, whose done-counter signals its arrival.
+    def senders(world, entry):
+        recorders = _launch_every_kernel(monkeypatch, num_sms=4, grid_sms=8, tokens=MAX_TOKENS, world=world)
+        return recorders[("dispatch", entry)].values[0][_parameter_index("dispatch", entry, "num_senders")]
+
+    assert senders(1, "dispatch") == 0 and senders(1, "redispatch") >= 1
+    assert senders(WORLD, "dispatch") >= 1
 
 
 def test_fp8_launchers_pass_the_parameters_fp8_cu_declares(monkeypatch):
