@@ -244,7 +244,8 @@ class Config:
         dispatch's senders join the expansion of arrived rows once their own rows are out. With
         a budget and several ranks, fewer senders than the budget let the expansion start while
         rows travel (2x H100, T=4096, ``sm_budget: 24``: dispatch 517-539 us with 8 senders,
-        626-628 with 24); at or above the budget every block sends first.
+        626-628 with 24); at or above the budget every block sends first. At world 1 no row leaves
+        the rank and dispatch runs no senders.
     slab_copies: copies of the device backends' receive slabs in the symmetric allocation. ``2``:
         one per call parity, so a call never waits for its peers to acknowledge the previous call
         (a sender only overwrites what its peers read two calls ago, and each call already waits
