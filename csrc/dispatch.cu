@@ -603,11 +603,11 @@ __device__ __forceinline__ BatchShape slab_rows(SlabRows set, int rank, int worl
 }
 
 // Block-wide: copy the listed rows of `batch` (slab rows batch.row[...]) to the out_x rows of
-// their kept entries (recv_pos in [0, capacity_rows)). Rows of this rank's own slab come from x
-// [num_tokens, H] (they are never sent; with quantize_own DTYPE rows, quantized on the way) unless
-// x is null (FP8 dispatch packed them into the own slab), the others from recv_x, where their
-// sources wrote them before a flag this block acquired. A call whose waits timed out may carry
-// own rows past num_tokens: they are skipped.
+// their kept entries (recv_pos in [0, capacity_rows)). Rows t >= packed_own of this rank's own slab
+// come from x [num_tokens, H] (they are never sent; with quantize_own DTYPE rows, quantized on the
+// way); the own rows below packed_own (FP8 dispatch packed them into the own slab first) and the
+// others from recv_x, where their sources wrote them before a flag this block acquired. A call
+// whose waits timed out may carry own rows past num_tokens: they are skipped.
 __device__ __forceinline__ void copy_listed_rows(const RowBatch& batch, int listed, const u8* recv, const u8* x,
                                                  bool quantize_own, int packed_own, int num_tokens, int rank,
                                                  int max_tokens_per_rank, int capacity_rows, u8* out) {
