@@ -77,7 +77,8 @@ class BenchOptions:
     warmup: untimed runs first. baselines: also run the all-to-all baselines (CUDA only).
     budget_sweep / sweep_tokens: ``sm_budget`` values timed (graph-replayed, uniform routing) at these T.
     sender_sweep: ``num_sms`` values timed at each budget of the sweep (empty: ``num_sms`` alone), to
-    choose how many of a budget's blocks send (the others expand meanwhile).
+    choose how many of a budget's blocks send (the others expand meanwhile; at world 1 dispatch runs
+    no senders, so the values time the same kernels).
     overlap_budgets / overlap_tokens: ``sm_budget`` values at which dispatch+combine runs beside a
     bf16 GEMM of ``overlap_gemm`` cubed on another stream (see :func:`_measure_overlap`), at this T.
     fp8: also time moe_comm with ``dispatch_dtype: float8_e4m3fn`` on every workload (rows
@@ -653,7 +654,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--sweep-budget", type=int, nargs="*", default=[],
                         help=f"sm_budget values to time at T = {' '.join(map(str, defaults.sweep_tokens))}")
     parser.add_argument("--sweep-senders", type=int, nargs="+", default=[], metavar="NUM_SMS",
-                        help="num_sms values (senders) to time at each --sweep-budget value")
+                        help="num_sms values (senders) to time at each --sweep-budget value (with several "
+                             "ranks: at one, dispatch runs no senders)")
     parser.add_argument("--overlap", type=int, nargs="*", default=None, metavar="BUDGET",
                         help="time dispatch+combine beside a GEMM on another stream at these sm_budget values "
                              f"(default with no values: 132 64 24 16 8 4), T = {defaults.overlap_tokens}")
