@@ -58,7 +58,8 @@
 // ("FP8 rows from DTYPE rows" below); without it x holds packed rows, copied like any rows.
 // `redispatch` runs the same channel with rows only (no metadata) along an existing routing's
 // send_mask: its senders ((one copy:) after the acks of e - 1) release-store arrival[0][R] = e when
-// done, and every block then expands every slab with the routing's recv_pos (no layout, no padding).
+// done (at world 1 one block, which sends nothing, only signals), and every block then expands every
+// slab with the routing's recv_pos (no layout, no padding).
 //
 // A wait that runs past timeout_ns records (phase, peer) into the status word and gives up, so
 // every kernel terminates; the results of that call are then invalid (Dispatcher.check() says so).
@@ -904,7 +905,10 @@ extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) redispatch(
             block_wait_flags(s_peer[rank], world, CH_TO_DEST, FLAG_ACK, epoch - 1, status, TIMEOUT_TO_DEST_ACK,
                              timeout_ns);
         }
-        send_rows(s_peer, rank, world, max_tokens_per_rank, off_recv_x, num_senders, x, num_tokens, send_mask);
+        // At world 1 no row leaves the rank (the expansion reads them from x): only the signal.
+        if (world > 1) {
+            send_rows(s_peer, rank, world, max_tokens_per_rank, off_recv_x, num_senders, x, num_tokens, send_mask);
+        }
         if (last_block_done(state + STATE_DONE + SLOT_REDISPATCH_SEND, num_senders)) {
             signal_every_rank(s_peer, rank, world, CH_TO_DEST, FLAG_ARRIVAL, epoch, false, 0);
         }

@@ -358,8 +358,10 @@ class DispatchKernels:
         """Rows only, along an existing routing: row ``t`` of ``x [T, H]`` to every rank ``r`` with
         ``send_mask[t, r]``, expanded there into ``out_x [capacity_rows, H]`` along ``recv_pos``."""
         num_tokens = x.shape[0]
+        # At world 1 nothing is sent: one block only signals the arrival that the expansion waits for.
+        senders = self._senders(num_tokens) if self._world_size > 1 else 1
         params = self._redispatch_params.fill((
-            self._senders(num_tokens), x.data_ptr(), num_tokens, routing.send_mask, routing.recv_pos, out_x.data_ptr(),
+            senders, x.data_ptr(), num_tokens, routing.send_mask, routing.recv_pos, out_x.data_ptr(),
         ))
         self._redispatch.launch(self._grid, protocol.DISPATCH_THREADS, params)
 
