@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from .agreement import agree
 from .baselines import HostSplitAllToAll, PaddedAllToAll, SymmMemAllToAll2d
-from .config import DTYPES, load_config
+from .config import DTYPES, Config, load_config
 from .errors import ConfigError
 from .dispatcher import Dispatcher
 from .errors import BackendError
@@ -92,7 +92,7 @@ class BenchOptions:
     topk: int = 8
     dtype: str = "bfloat16"
     backend: str = "auto"
-    num_sms: int = 24
+    num_sms: int = Config.num_sms
     sm_budget: Optional[int] = None
     slab_copies: int = 2
     repeats: int = 50
