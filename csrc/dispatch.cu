@@ -45,7 +45,10 @@
 //     moe_comm.routing.plan_destination.
 //   own expansion (the same group, after a barrier of it): copies each of R's own rows (from x)
 //     to the out_x row of each of its kept entries and zeroes every segment's padding rows
-//     [start_j + n_j, end_j) (rows at or past expert_offsets[-1] are not touched).
+//     [start_j + n_j, end_j) (rows at or past expert_offsets[-1] are not touched). At decode sizes
+//     (the own rows' copies fit half of the group at OWN_COPIES_PER_WARP a warp) the first blocks
+//     copy the own rows, each warp loading its entries' recv_pos with its unit, while the others
+//     zero the padding; past that every block copies own rows in batches, then zeroes padding.
 //   arrivals (the same group, and the senders once their rows are out): the same copy for the rows
 //     the other ranks send, chunk by chunk as chunk_c[0][s] >= e says they have landed, so the
 //     expansion trails the transfer. Past one batch per block of the group, batches go by ticket
@@ -75,6 +78,7 @@
 
 #define EXPAND_VPL 4        // small units: decode sizes have few rows to spread over the SMs
 #define LAYOUT_BATCH 8      // tiles whose metadata a warp loads before it ranks them
+#define OWN_COPIES_PER_WARP 8  // own-row unit copies a warp makes at decode sizes (see the kernel)
 
 // ------------------------------------------------------------------ FP8 rows from DTYPE rows
 #if FP8_ROWS
@@ -603,49 +607,83 @@ __device__ __forceinline__ BatchShape slab_rows(SlabRows set, int rank, int worl
     return batch_shape(world * m, blocks);
 }
 
-// Block-wide: copy the listed rows of `batch` (slab rows batch.row[...]) to the out_x rows of
-// their kept entries (recv_pos in [0, capacity_rows)). Rows t >= packed_own of this rank's own slab
-// come from x [num_tokens, H] (they are never sent; with quantize_own DTYPE rows, quantized on the
-// way); the own rows below packed_own (FP8 dispatch packed them into the own slab first) and the
-// others from recv_x, where their sources wrote them before a flag this block acquired. A call
-// whose waits timed out may carry own rows past num_tokens: they are skipped.
+// Warp-wide: unit `chunk` of slab row g to the out_x rows of its kept entries (lane k < TOPK holds
+// entry k's recv_pos in `pos`; kept: in [0, capacity_rows)). Rows t >= packed_own of this rank's
+// own slab come from x [num_tokens, H] (they are never sent; with quantize_own DTYPE rows,
+// quantized on the way); the own rows below packed_own (FP8 dispatch packed them into the own slab
+// first) and the others from recv_x, where their sources wrote them before a flag this block
+// acquired. A call whose waits timed out may carry own rows past num_tokens: they are skipped. The
+// unit's loads are issued before `pos` is used, so a caller that has just loaded it from memory
+// waits for both at once. pos_at(k): entry k's position, for a kept k (warp-uniform).
+template <typename PosAt>
+__device__ __forceinline__ void copy_row_unit(i64 g, int chunk, int pos, PosAt pos_at, const u8* recv, const u8* x,
+                                              bool quantize_own, int packed_own, int num_tokens, int rank,
+                                              int max_tokens_per_rank, int capacity_rows, u8* out) {
+    typedef RowParts<EXPAND_VPL> Chunks;
+    const int lane = threadIdx.x & 31;
+    const i64 t = g - static_cast<i64>(rank) * max_tokens_per_rank;
+    const bool from_x = t >= packed_own && t < max_tokens_per_rank;  // packed_own >= 0: g is in the own slab
+    if (from_x && t >= num_tokens) return;
+    const int v0 = chunk * Chunks::kVecs + lane;
+    Vec16 vals[EXPAND_VPL];
+#if FP8_ROWS
+    if (from_x && quantize_own) {
+        float scales[EXPAND_VPL];
+        quantize_unit<EXPAND_VPL>(x + t * SOURCE_ROW_BYTES, vals, scales, v0);
+        for (u32 m = __ballot_sync(FULL_MASK, lane < TOPK && pos >= 0 && pos < capacity_rows); m != 0u; m &= m - 1u) {
+            store_fp8_unit<EXPAND_VPL>(out + static_cast<i64>(pos_at(__ffs(static_cast<int>(m)) - 1)) * ROW_BYTES, vals,
+                                       scales, v0);
+        }
+        return;
+    }
+#else
+    (void)quantize_own;
+#endif
+    if (from_x) {
+        load_unit<EXPAND_VPL, kUserInput>(x + t * ROW_BYTES, vals, v0);
+    } else {
+        load_unit<EXPAND_VPL, kWrittenHere>(recv + g * ROW_BYTES, vals, v0);
+    }
+    for (u32 m = __ballot_sync(FULL_MASK, lane < TOPK && pos >= 0 && pos < capacity_rows); m != 0u; m &= m - 1u) {
+        store_unit<EXPAND_VPL>(out + static_cast<i64>(pos_at(__ffs(static_cast<int>(m)) - 1)) * ROW_BYTES, vals, v0);
+    }
+}
+
+// Block-wide: copy_row_unit for every unit of the listed rows of `batch` (slab rows batch.row[...]).
 __device__ __forceinline__ void copy_listed_rows(const RowBatch& batch, int listed, const u8* recv, const u8* x,
                                                  bool quantize_own, int packed_own, int num_tokens, int rank,
                                                  int max_tokens_per_rank, int capacity_rows, u8* out) {
     typedef RowParts<EXPAND_VPL> Chunks;
     const int lane = threadIdx.x & 31;
     const int warps = blockDim.x >> 5;
-    const i64 own_first = static_cast<i64>(rank) * max_tokens_per_rank;
     for (int unit = threadIdx.x >> 5; unit < listed * Chunks::kPerRow; unit += warps) {
         const int r = batch.list[unit / Chunks::kPerRow];
         const int chunk = unit - (unit / Chunks::kPerRow) * Chunks::kPerRow;
-        const int pos = lane < TOPK ? batch.pos[r * TOPK + lane] : -1;
-        const u32 kept = __ballot_sync(FULL_MASK, lane < TOPK && pos >= 0 && pos < capacity_rows);
-        const i64 g = batch.row[r];
-        const int v0 = chunk * Chunks::kVecs + lane;
-        Vec16 vals[EXPAND_VPL];
-        if (g >= own_first && g < own_first + max_tokens_per_rank && g - own_first >= packed_own) {
-            if (g - own_first >= num_tokens) continue;
-#if FP8_ROWS
-            if (quantize_own) {
-                float scales[EXPAND_VPL];
-                quantize_unit<EXPAND_VPL>(x + (g - own_first) * SOURCE_ROW_BYTES, vals, scales, v0);
-                for (u32 m = kept; m != 0u; m &= m - 1u) {
-                    const int k = __ffs(static_cast<int>(m)) - 1;
-                    store_fp8_unit<EXPAND_VPL>(out + static_cast<i64>(batch.pos[r * TOPK + k]) * ROW_BYTES, vals,
-                                               scales, v0);
-                }
-                continue;
-            }
-#endif
-            load_unit<EXPAND_VPL, kUserInput>(x + (g - own_first) * ROW_BYTES, vals, v0);
-        } else {
-            load_unit<EXPAND_VPL, kWrittenHere>(recv + g * ROW_BYTES, vals, v0);
-        }
-        for (u32 m = kept; m != 0u; m &= m - 1u) {
-            const int k = __ffs(static_cast<int>(m)) - 1;
-            store_unit<EXPAND_VPL>(out + static_cast<i64>(batch.pos[r * TOPK + k]) * ROW_BYTES, vals, v0);
-        }
+        copy_row_unit(batch.row[r], chunk, lane < TOPK ? batch.pos[r * TOPK + lane] : -1,
+                      [&](int k) { return batch.pos[r * TOPK + k]; }, recv, x, quantize_own, packed_own, num_tokens,
+                      rank, max_tokens_per_rank, capacity_rows, out);
+    }
+}
+
+// Warp-wide, the warps of blocks [first_block, first_block + blocks): this rank's own rows t <
+// num_tokens unit by unit (warp w of them takes units w, w + blocks * warps, ...), each warp
+// loading its rows' recv_pos [W * M, K] (written by the layout before a barrier: plain loads)
+// alongside the unit. Decode sizes: no batch of recv_pos, loaded by the block before any row,
+// stands between the barrier and the rows.
+__device__ __forceinline__ void expand_own_units(int first_block, int blocks, const u8* recv, const u8* x,
+                                                 bool quantize_own, int packed_own, int num_tokens, int rank,
+                                                 int max_tokens_per_rank, const i32* recv_pos, int capacity_rows,
+                                                 u8* out) {
+    typedef RowParts<EXPAND_VPL> Chunks;
+    const int lane = threadIdx.x & 31;
+    const i64 warps = blockDim.x >> 5;
+    const i64 units = static_cast<i64>(num_tokens) * Chunks::kPerRow;
+    for (i64 unit = (blockIdx.x - first_block) * warps + (threadIdx.x >> 5); unit < units; unit += blocks * warps) {
+        const i64 g = static_cast<i64>(rank) * max_tokens_per_rank + unit / Chunks::kPerRow;
+        const int chunk = static_cast<int>(unit % Chunks::kPerRow);
+        const int pos = lane < TOPK ? recv_pos[g * TOPK + lane] : -1;
+        copy_row_unit(g, chunk, pos, [&](int k) { return __shfl_sync(FULL_MASK, pos, k); }, recv, x, quantize_own,
+                      packed_own, num_tokens, rank, max_tokens_per_rank, capacity_rows, out);
     }
 }
 
@@ -867,12 +905,33 @@ extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) dispatch(
                            expert_offsets, tokens_per_expert, block_counts, barrier_flags);
         }
         blocks_barrier(barrier_flags + grid, block, early, grid, epoch, status, rank, timeout_ns);
-        expand_rows(batch, slab_rows(OWN_SLAB, rank, world, max_tokens_per_rank, grid - early), early, recv,
-                    static_cast<const u8*>(x), quantize != 0, packed_own, num_tokens, rank, max_tokens_per_rank, recv_pos,
-                    capacity_rows, out);
-        // The segments only after the own rows: their loads would delay the first row copies.
-        load_segments(smem, smem + num_local_experts, smem + 2 * num_local_experts, expert_offsets, tokens_per_expert, num_local_experts);
-        zero_padding(smem, smem + num_local_experts, smem + 2 * num_local_experts, num_local_experts, capacity_rows, early, out);
+        // Decode sizes: the own rows' unit copies (ceil(K / W) a unit: uniform routing keeps K / W
+        // of a token's entries here) fit half of the group at OWN_COPIES_PER_WARP a warp. The own
+        // rows (a chain of round trips) then run on the first own_blocks blocks while the others
+        // zero the padding (bound by HBM's rate), at once instead of one after the other. Past
+        // that, every block expands own rows in batches, then pads.
+        const int group = grid - early;
+        const i64 own_copies = static_cast<i64>(num_tokens) * RowParts<EXPAND_VPL>::kPerRow * ((TOPK + world - 1) / world);
+        const i64 own_warps = (own_copies + OWN_COPIES_PER_WARP - 1) / OWN_COPIES_PER_WARP;
+        const int own_blocks = static_cast<int>((own_warps + warps - 1) / warps);
+        const bool split = 2 * own_blocks <= group;
+        const int pad_first = split ? early + own_blocks : early;
+        if (split && block < pad_first) {
+            expand_own_units(early, own_blocks, recv, static_cast<const u8*>(x), quantize != 0, packed_own, num_tokens,
+                             rank, max_tokens_per_rank, recv_pos, capacity_rows, out);
+        } else {
+            if (!split) {
+                expand_rows(batch, slab_rows(OWN_SLAB, rank, world, max_tokens_per_rank, group), early, recv,
+                            static_cast<const u8*>(x), quantize != 0, packed_own, num_tokens, rank, max_tokens_per_rank,
+                            recv_pos, capacity_rows, out);
+            }
+            // In the batched path the segments come only after the own rows: their loads would delay
+            // the first row copies.
+            load_segments(smem, smem + num_local_experts, smem + 2 * num_local_experts, expert_offsets, tokens_per_expert,
+                          num_local_experts);
+            zero_padding(smem, smem + num_local_experts, smem + 2 * num_local_experts, num_local_experts, capacity_rows,
+                         pad_first, out);
+        }
         expand_arrivals(batch, s_peer[rank], rank, world, max_tokens_per_rank, chunk_tokens, epoch, status, timeout_ns, early,
                         tickets, recv, recv_pos, capacity_rows, out);
     } else if (world > 1) {
