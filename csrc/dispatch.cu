@@ -45,14 +45,13 @@
 //     moe_comm.routing.plan_destination.
 //   own expansion (the same group, after a barrier of it): copies each of R's own rows (from x)
 //     to the out_x row of each of its kept entries and zeroes every segment's padding rows
-//     [start_j + n_j, end_j) (rows at or past expert_offsets[-1] are not touched). At decode sizes
-//     (the own rows' copies fit half of the group at OWN_COPIES_PER_WARP a warp) the first blocks
-//     copy the own rows, each warp loading its entries' recv_pos with its unit, while the others
-//     zero the padding; past that every block copies own rows in batches, then zeroes padding.
+//     [start_j + n_j, end_j) (rows at or past expert_offsets[-1] are not touched).
 //   arrivals (the same group, and the senders once their rows are out): the same copy for the rows
 //     the other ranks send, chunk by chunk as chunk_c[0][s] >= e says they have landed, so the
-//     expansion trails the transfer. Past one batch per block of the group, batches go by ticket
-//     (state[STATE_CLAIM + (e & 1)], zeroed by the call before), so late blocks take fewer.
+//     expansion trails the transfer. Past one batch per block of the arrival group, batches go by
+//     ticket (state[STATE_CLAIM + (e & 1)], zeroed by the call before), so late blocks take fewer.
+//   Past decode sizes every block of the group copies own rows, zeroes padding, then takes arrival
+//   batches; at decode sizes the three run side by side on parts of the group (expand_roles).
 //   The call ends (end_call): the block counted in last at the start sets state.epoch[0] = e.
 //   (One copy:) instead every block counts itself done at the end, and the last one release-stores
 //   ack[0][R] = e into every source's flags, then sets state.epoch[0] = e.
@@ -78,7 +77,7 @@
 
 #define EXPAND_VPL 4        // small units: decode sizes have few rows to spread over the SMs
 #define LAYOUT_BATCH 8      // tiles whose metadata a warp loads before it ranks them
-#define OWN_COPIES_PER_WARP 8  // own-row unit copies a warp makes at decode sizes (see the kernel)
+#define OWN_COPIES_PER_WARP 8  // row unit copies a warp makes at decode sizes (expand_roles)
 
 // ------------------------------------------------------------------ FP8 rows from DTYPE rows
 #if FP8_ROWS
@@ -705,14 +704,14 @@ __device__ __forceinline__ void expand_rows(RowBatch& batch, const BatchShape& s
 // form pieces p = c * (W - 1) + i (chunk c of the i-th other rank), numbered in that order and cut
 // into batches of consecutive rows, so the blocks sweep the chunks in the order the senders
 // complete them; before a batch, thread j waits for the chunk flag of row j. The group, blocks
-// [first_block, gridDim.x), takes one batch per block first (decode sizes need no more); the
+// [first_block, last_block), takes one batch per block first (decode sizes need no more); the
 // batches past those go by ticket (atomic adds on `tickets`, zero at the call's start), to the
-// group's blocks and to the senders before it once their rows are out, so blocks that come late
-// (a sender that pushed its rows over NVLink meanwhile) take fewer.
+// group's blocks and to every other block that calls this once its own work is done (senders
+// whose rows are out, blocks of other roles), so blocks that come late take fewer.
 __device__ __forceinline__ void expand_arrivals(RowBatch& batch, i64 base, int rank, int world, int max_tokens_per_rank,
                                                 int chunk_tokens, u64 epoch, i64* status, i64 timeout_ns,
-                                                int first_block, u64* tickets, const u8* recv, const i32* recv_pos,
-                                                int capacity_rows, u8* out) {
+                                                int first_block, int last_block, u64* tickets, const u8* recv,
+                                                const i32* recv_pos, int capacity_rows, u8* out) {
     __shared__ i64 s_next;  // the block's next batch
     __shared__ i32 s_piece[(MAX_WORLD - 1) * MAX_CHUNKS];  // rows of the pieces before p
     const int others = world - 1;
@@ -728,7 +727,7 @@ __device__ __forceinline__ void expand_arrivals(RowBatch& batch, i64 base, int r
 
     // Batches small enough that every chunk's rows spread over all the blocks: the rows of the
     // last chunk to land are what is left to expand after the transfer.
-    const int blocks = gridDim.x - first_block;
+    const int blocks = last_block - first_block;
     const i64 chunk_rows = imin64(total, static_cast<i64>(others) * chunk_tokens);
     const i64 per_block = (chunk_rows + blocks - 1) / blocks;
     const int rows = static_cast<int>(per_block < 1 ? 1 : (per_block > BATCH_ROWS ? BATCH_ROWS : per_block));
@@ -748,7 +747,7 @@ __device__ __forceinline__ void expand_arrivals(RowBatch& batch, i64 base, int r
     };
     const i64 batches = (total + rows - 1) / rows;
     const bool ticketed = batches > blocks;
-    const bool in_group = static_cast<int>(blockIdx.x) >= first_block;
+    const bool in_group = static_cast<int>(blockIdx.x) >= first_block && static_cast<int>(blockIdx.x) < last_block;
     if (!in_group && !ticketed) return;
     if (!in_group) {
         if (threadIdx.x == 0) s_next = blocks + static_cast<i64>(atomicAdd(tickets, 1ull));
@@ -817,6 +816,44 @@ __device__ __forceinline__ void zero_padding(const i32* s_end, const i32* s_kept
         if (row >= capacity_rows) continue;
         store_unit<EXPAND_VPL>(out + static_cast<i64>(row) * ROW_BYTES, zeros, chunk * Chunks::kVecs + lane);
     }
+}
+
+// The roles of the early group's blocks [early, grid) after its layout barrier. Past decode sizes
+// every block copies own rows in batches, then zeroes padding, then takes arrival batches. At
+// decode sizes the steps are chains of round trips more than bytes, so they run side by side on
+// parts of the group: own rows on [early, own_end) (expand_own_units), the other ranks' rows on
+// the arrival group [arrivals_first, arrivals_last), the padding from pad_first on. A part's
+// blocks are sized by its unit copies at OWN_COPIES_PER_WARP a warp (ceil(K / W) copies a row:
+// uniform routing keeps K / W of a token's entries on each rank; the arrivals counted for M rows
+// a source). Own rows split off when they fit half of the group, the arrivals too when both fit
+// two thirds of it; blocks outside the arrival group still take ticketed batches past its one
+// batch a block.
+struct ExpandRoles {
+    bool split;          // own rows on their own blocks
+    int own_end;
+    int pad_first;
+    int arrivals_first;  // the arrival group
+    int arrivals_last;
+};
+
+__device__ __forceinline__ ExpandRoles expand_roles(int early, int grid, int world, int num_tokens, int max_tokens_per_rank) {
+    const i64 warps = blockDim.x >> 5;
+    const int group = grid - early;
+    const i64 copies = (TOPK + world - 1) / world;
+    auto blocks_for = [&](i64 rows) {
+        const i64 copy_warps = (rows * RowParts<EXPAND_VPL>::kPerRow * copies + OWN_COPIES_PER_WARP - 1) / OWN_COPIES_PER_WARP;
+        return static_cast<int>((copy_warps + warps - 1) / warps);
+    };
+    const int own = blocks_for(num_tokens);
+    const int arrivals = blocks_for(static_cast<i64>(world - 1) * max_tokens_per_rank);
+    ExpandRoles roles{2 * own <= group, early, early, early, grid};
+    if (!roles.split) return roles;
+    roles.own_end = roles.pad_first = early + own;
+    if (arrivals > 0 && 3 * (own + arrivals) <= 2 * group) {
+        roles.arrivals_first = roles.own_end;
+        roles.arrivals_last = roles.pad_first = roles.own_end + arrivals;
+    }
+    return roles;
 }
 
 // ---------------------------------------------------------------------------------- kernels
@@ -905,23 +942,13 @@ extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) dispatch(
                            expert_offsets, tokens_per_expert, block_counts, barrier_flags);
         }
         blocks_barrier(barrier_flags + grid, block, early, grid, epoch, status, rank, timeout_ns);
-        // Decode sizes: the own rows' unit copies (ceil(K / W) a unit: uniform routing keeps K / W
-        // of a token's entries here) fit half of the group at OWN_COPIES_PER_WARP a warp. The own
-        // rows (a chain of round trips) then run on the first own_blocks blocks while the others
-        // zero the padding (bound by HBM's rate), at once instead of one after the other. Past
-        // that, every block expands own rows in batches, then pads.
-        const int group = grid - early;
-        const i64 own_copies = static_cast<i64>(num_tokens) * RowParts<EXPAND_VPL>::kPerRow * ((TOPK + world - 1) / world);
-        const i64 own_warps = (own_copies + OWN_COPIES_PER_WARP - 1) / OWN_COPIES_PER_WARP;
-        const int own_blocks = static_cast<int>((own_warps + warps - 1) / warps);
-        const bool split = 2 * own_blocks <= group;
-        const int pad_first = split ? early + own_blocks : early;
-        if (split && block < pad_first) {
-            expand_own_units(early, own_blocks, recv, static_cast<const u8*>(x), quantize != 0, packed_own, num_tokens,
-                             rank, max_tokens_per_rank, recv_pos, capacity_rows, out);
-        } else {
-            if (!split) {
-                expand_rows(batch, slab_rows(OWN_SLAB, rank, world, max_tokens_per_rank, group), early, recv,
+        const ExpandRoles roles = expand_roles(early, grid, world, num_tokens, max_tokens_per_rank);
+        if (roles.split && block < roles.own_end) {
+            expand_own_units(early, roles.own_end - early, recv, static_cast<const u8*>(x), quantize != 0, packed_own,
+                             num_tokens, rank, max_tokens_per_rank, recv_pos, capacity_rows, out);
+        } else if (block >= roles.pad_first) {
+            if (!roles.split) {
+                expand_rows(batch, slab_rows(OWN_SLAB, rank, world, max_tokens_per_rank, grid - early), early, recv,
                             static_cast<const u8*>(x), quantize != 0, packed_own, num_tokens, rank, max_tokens_per_rank,
                             recv_pos, capacity_rows, out);
             }
@@ -930,18 +957,19 @@ extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) dispatch(
             load_segments(smem, smem + num_local_experts, smem + 2 * num_local_experts, expert_offsets, tokens_per_expert,
                           num_local_experts);
             zero_padding(smem, smem + num_local_experts, smem + 2 * num_local_experts, num_local_experts, capacity_rows,
-                         pad_first, out);
+                         roles.pad_first, out);
         }
-        expand_arrivals(batch, s_peer[rank], rank, world, max_tokens_per_rank, chunk_tokens, epoch, status, timeout_ns, early,
-                        tickets, recv, recv_pos, capacity_rows, out);
+        expand_arrivals(batch, s_peer[rank], rank, world, max_tokens_per_rank, chunk_tokens, epoch, status, timeout_ns,
+                        roles.arrivals_first, roles.arrivals_last, tickets, recv, recv_pos, capacity_rows, out);
     } else if (world > 1) {
         // A sender beside an early group, its rows out: it helps expand the rows that arrive, once
         // the metadata and the group's layout are visible to it.
         block_wait_flags(s_peer[rank], world, CH_TO_DEST, FLAG_META, epoch, status, TIMEOUT_TO_DEST_ARRIVAL,
                          timeout_ns);
         wait_blocks(barrier_flags + grid, early, grid, epoch, status, rank, timeout_ns);
-        expand_arrivals(batch, s_peer[rank], rank, world, max_tokens_per_rank, chunk_tokens, epoch, status, timeout_ns, early,
-                        tickets, recv, recv_pos, capacity_rows, out);
+        const ExpandRoles roles = expand_roles(early, grid, world, num_tokens, max_tokens_per_rank);
+        expand_arrivals(batch, s_peer[rank], rank, world, max_tokens_per_rank, chunk_tokens, epoch, status, timeout_ns,
+                        roles.arrivals_first, roles.arrivals_last, tickets, recv, recv_pos, capacity_rows, out);
     }
     end_call(call, state, SLOT_DISPATCH_EXPAND, s_peer, rank, world, CH_TO_DEST, copy_stride);
 }
