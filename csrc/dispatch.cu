@@ -77,7 +77,7 @@
 
 #define EXPAND_VPL 4        // small units: decode sizes have few rows to spread over the SMs
 #define LAYOUT_BATCH 8      // tiles whose metadata a warp loads before it ranks them
-#define OWN_COPIES_PER_WARP 8  // row unit copies a warp makes at decode sizes (expand_roles)
+#define ROLE_COPIES_PER_WARP 8  // row unit copies a warp makes at decode sizes (expand_roles)
 
 // ------------------------------------------------------------------ FP8 rows from DTYPE rows
 #if FP8_ROWS
@@ -823,7 +823,7 @@ __device__ __forceinline__ void zero_padding(const i32* s_end, const i32* s_kept
 // decode sizes the steps are chains of round trips more than bytes, so they run side by side on
 // parts of the group: own rows on [early, own_end) (expand_own_units), the other ranks' rows on
 // the arrival group [arrivals_first, arrivals_last), the padding from pad_first on. A part's
-// blocks are sized by its unit copies at OWN_COPIES_PER_WARP a warp (ceil(K / W) copies a row:
+// blocks are sized by its unit copies at ROLE_COPIES_PER_WARP a warp (ceil(K / W) copies a row:
 // uniform routing keeps K / W of a token's entries on each rank; the arrivals counted for M rows
 // a source). Own rows split off when they fit half of the group, the arrivals too when both fit
 // two thirds of it; blocks outside the arrival group still take ticketed batches past its one
@@ -841,7 +841,8 @@ __device__ __forceinline__ ExpandRoles expand_roles(int early, int grid, int wor
     const int group = grid - early;
     const i64 copies = (TOPK + world - 1) / world;
     auto blocks_for = [&](i64 rows) {
-        const i64 copy_warps = (rows * RowParts<EXPAND_VPL>::kPerRow * copies + OWN_COPIES_PER_WARP - 1) / OWN_COPIES_PER_WARP;
+        const i64 unit_copies = rows * RowParts<EXPAND_VPL>::kPerRow * copies;
+        const i64 copy_warps = (unit_copies + ROLE_COPIES_PER_WARP - 1) / ROLE_COPIES_PER_WARP;
         return static_cast<int>((copy_warps + warps - 1) / warps);
     };
     const int own = blocks_for(num_tokens);
