@@ -81,8 +81,9 @@ class BenchOptions:
     no senders, so the values time the same kernels).
     overlap_budgets / overlap_tokens: ``sm_budget`` values at which dispatch+combine runs beside a
     bf16 GEMM of ``overlap_gemm`` cubed on another stream (see :func:`_measure_overlap`), at this T.
-    fp8: also time moe_comm with ``dispatch_dtype: float8_e4m3fn`` on every workload (rows
-    ``moe_comm fp8 dispatch``; bytes are the packed e4m3 rows with their scales).
+    fp8: also time moe_comm with ``dispatch_dtype: float8_e4m3fn`` on every workload and at every
+    point of the budget sweep (rows ``moe_comm fp8 dispatch``; bytes are the packed e4m3 rows with
+    their scales).
     """
 
     tokens: tuple = (1, 32, 128, 512, 1024, 4096)
@@ -468,18 +469,23 @@ def _symm_baseline_rows(state: list, options: BenchOptions, work: _Workload, dev
 
 def _budget_sweep_rows(options: BenchOptions, group, rank: int, device: torch.device) -> list[Row]:
     """Graph-replayed rows (uniform routing) of each ``sm_budget`` of ``options.budget_sweep`` at each
-    of ``options.sweep_tokens``, once per ``num_sms`` of ``options.sender_sweep`` (default: ``num_sms``)."""
+    of ``options.sweep_tokens``, once per ``num_sms`` of ``options.sender_sweep`` (default: ``num_sms``);
+    with ``options.fp8`` FP8 dispatch at each point too (its senders quantize, so their best number
+    differs from bf16's)."""
+    systems = (("moe_comm", None),) + ((("moe_comm fp8 dispatch", "float8_e4m3fn"),) if options.fp8 else ())
     rows = []
     for num_tokens in options.sweep_tokens if options.budget_sweep else ():
         work = _Workload(options, num_tokens, "uniform", rank, device)
         for budget in options.budget_sweep:
             for senders in options.sender_sweep or (options.num_sms,):
-                moe = _measure_moe_comm(options, work, group, budget, graphs=True, num_sms=senders)
-                swept = _rows("moe_comm", {k: v for k, v in moe.items() if k != "eager"}, num_tokens, "uniform",
-                              senders, moe["cross_bytes"], moe["received_bytes"], budget)
-                for row in swept:
-                    row.mode = "graph (sm_budget sweep)"
-                rows += swept
+                for system, dispatch_dtype in systems:
+                    moe = _measure_moe_comm(options, work, group, budget, graphs=True, dispatch_dtype=dispatch_dtype,
+                                            num_sms=senders)
+                    swept = _rows(system, {k: v for k, v in moe.items() if k != "eager"}, num_tokens, "uniform",
+                                  senders, moe["cross_bytes"], moe["received_bytes"], budget)
+                    for row in swept:
+                        row.mode = "graph (sm_budget sweep)"
+                    rows += swept
     return rows
 
 
@@ -660,8 +666,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="time dispatch+combine beside a GEMM on another stream at these sm_budget values "
                              f"(default with no values: 132 64 24 16 8 4), T = {defaults.overlap_tokens}")
     parser.add_argument("--fp8", action="store_true",
-                        help="also time FP8 dispatch (dispatch_dtype float8_e4m3fn) on every workload; needs a "
-                             "hidden that is a multiple of 128")
+                        help="also time FP8 dispatch (dispatch_dtype float8_e4m3fn) on every workload and at "
+                             "every --sweep-budget / --sweep-senders point; needs a hidden that is a multiple of 128")
     parser.add_argument("--ranks", type=int, default=2, help="CPU ranks when there is no GPU")
     parser.add_argument("--name", default=None, help="results file name (default: from the machine)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"),

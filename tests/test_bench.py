@@ -212,7 +212,7 @@ def test_budget_sweep_times_every_sender_count_at_every_budget(monkeypatch):
     measured = []
 
     def measure(options, work, group, sm_budget, graphs, dispatch_dtype=None, num_sms=None):
-        measured.append((work, sm_budget, num_sms, graphs))
+        measured.append((work, sm_budget, num_sms, graphs, dispatch_dtype))
         times = {"dispatch_us": 10.0 * num_sms, "combine_us": 5.0, "total_us": 10.0 * num_sms + 5.0}
         return {"error": 0.0, "cross_bytes": 0, "received_bytes": 0, "eager": times, "graph": times}
 
@@ -221,7 +221,7 @@ def test_budget_sweep_times_every_sender_count_at_every_budget(monkeypatch):
     args = bench._parser().parse_args(["--sweep-budget", "24", "16", "--sweep-senders", "8", "24"])
     options = bench._options(args, gpus=1)
     rows = bench._budget_sweep_rows(options, None, 0, torch.device("cpu"))
-    assert measured == [(tokens, budget, senders, True) for tokens in (128, 4096) for budget in (24, 16)
+    assert measured == [(tokens, budget, senders, True, None) for tokens in (128, 4096) for budget in (24, 16)
                         for senders in (8, 24)]
     assert [(r.tokens, r.sm_budget, r.num_sms, r.mode, r.dispatch_us) for r in rows] == [
         (tokens, budget, senders, "graph (sm_budget sweep)", 10.0 * senders)
@@ -230,6 +230,14 @@ def test_budget_sweep_times_every_sender_count_at_every_budget(monkeypatch):
     measured.clear()
     options = bench._options(bench._parser().parse_args(["--sweep-budget", "24", "--num-sms", "12"]), gpus=1)
     assert [row.num_sms for row in bench._budget_sweep_rows(options, None, 0, torch.device("cpu"))] == [12, 12]
+    # With --fp8 FP8 dispatch is timed at every point too, beside bf16.
+    measured.clear()
+    args = bench._parser().parse_args(["--sweep-budget", "24", "--sweep-senders", "8", "24", "--fp8"])
+    rows = bench._budget_sweep_rows(bench._options(args, gpus=1), None, 0, torch.device("cpu"))
+    assert [(r.tokens, r.num_sms, r.system) for r in rows] == [
+        (tokens, senders, system) for tokens in (128, 4096) for senders in (8, 24)
+        for system in ("moe_comm", "moe_comm fp8 dispatch")]
+    assert [dtype for *_, dtype in measured] == [None, "float8_e4m3fn"] * 4
 
 
 def test_overlap_rows_keep_their_times_and_get_their_own_table(monkeypatch):
