@@ -20,6 +20,10 @@
 //         z[t] = dtype(sum over r increasing with send_mask[t, r] of float(ret_x[r][t]))
 //     from 0.0f with __fadd_rn; a token sent nowhere gets zeros. The last block release-stores
 //     ack[1][R] = e into every rank's flags and sets state.epoch[1] = e.
+//   One rank (world 1) runs `combine_one_rank`: z[t] is the partial row of slab row t summed as
+//     the sum phase sums it (0.0f + the dtype-rounded partial, so bitwise the same), written
+//     straight into z: no slab, signal or wait, one warp per (token, unit) on the blocks the
+//     units fill.
 //   values_send / values_recv (two kernels, for return_entry_values): the same channel for one
 //     float per entry. The destination writes row_vector[pos] (0 where pos < 0) for every entry
 //     (s, t, k) with pos != -1 into ret_vals[R][t][k] of rank s; the source gathers out[t, k] =
@@ -33,7 +37,6 @@
 
 #include "common.cuh"
 
-#define COMBINE_SEND_VPL 2   // vectors per lane per unit: 16 loads in flight per lane (4 is slower: registers)
 #define COMBINE_GROUP 8      // entries whose vectors are loaded at once (one round trip for top-8)
 #define COMBINE_RECV_VPL 4
 
@@ -63,6 +66,35 @@ __device__ __forceinline__ void accumulate(float (&acc)[VPL][ELEMS_PER_VEC], con
 
 // ------------------------------------------------------------------------------ send phase
 
+// Warp-wide: acc += the kept entries' rows of y (kept: bit k set, entry k at row pos_at(k) with
+// weight weight_at(k), both warp-uniform), k increasing, for the unit's vectors from v0:
+// COMBINE_GROUP rows' loads first, then their ordered sums. before_sums() runs once the first
+// group's loads are issued (a wait whose latency they hide).
+template <int VPL, typename PosAt, typename WeightAt, typename BeforeSums>
+__device__ __forceinline__ void sum_kept_rows(float (&acc)[VPL][ELEMS_PER_VEC], const u8* rows, u32 kept,
+                                              PosAt pos_at, WeightAt weight_at, bool weighted, int v0,
+                                              BeforeSums before_sums) {
+#pragma unroll
+    for (int k0 = 0; k0 < TOPK; k0 += COMBINE_GROUP) {
+        Vec16 vals[COMBINE_GROUP][VPL];
+#pragma unroll
+        for (int i = 0; i < COMBINE_GROUP; ++i) {
+            const int k = k0 + i;
+            if (k < TOPK && ((kept >> k) & 1u)) {
+                load_unit<VPL, kUserInput>(rows + static_cast<i64>(pos_at(k)) * ROW_BYTES, vals[i], v0);
+            }
+        }
+        if (k0 == 0) before_sums();
+#pragma unroll
+        for (int i = 0; i < COMBINE_GROUP; ++i) {
+            const int k = k0 + i;
+            if (k < TOPK && ((kept >> k) & 1u)) {
+                accumulate<VPL>(acc, vals[i], weighted ? weight_at(k) : 1.0f, weighted, v0);
+            }
+        }
+    }
+}
+
 // Block-wide: one partial row per carried slab row of recv_pos [W * M, K], from the rows of
 // y [capacity_rows, H], into ret_x[R][t] of its source s, once the acks of epoch - 1 are in (see
 // the top of this file).
@@ -88,32 +120,14 @@ __device__ __forceinline__ void send_partials(RowBatch& batch, const i64* s_peer
             const int v0 = chunk * Chunks::kVecs + lane;
             float acc[COMBINE_SEND_VPL][ELEMS_PER_VEC];
             zero_acc<COMBINE_SEND_VPL>(acc);
-            // Entries in increasing k, COMBINE_GROUP at a time: loads first, then the ordered sums.
-#pragma unroll
-            for (int k0 = 0; k0 < TOPK; k0 += COMBINE_GROUP) {
-                Vec16 vals[COMBINE_GROUP][COMBINE_SEND_VPL];
-#pragma unroll
-                for (int i = 0; i < COMBINE_GROUP; ++i) {
-                    const int k = k0 + i;
-                    if (k < TOPK && ((kept >> k) & 1u)) {
-                        const u8* row = rows + static_cast<i64>(batch.pos[r * TOPK + k]) * ROW_BYTES;
-                        load_unit<COMBINE_SEND_VPL, kUserInput>(row, vals[i], v0);
-                    }
-                }
+            sum_kept_rows(acc, rows, kept, [&](int k) { return batch.pos[r * TOPK + k]; },
+                          [&](int k) { return batch.weight[r * TOPK + k]; }, weighted != 0, v0, [&]() {
                 if (!acked) {
                     warp_wait_flags(s_peer[rank], world, CH_TO_SOURCE, FLAG_ACK, epoch - 1, status,
                                     TIMEOUT_TO_SOURCE_ACK, timeout_ns);
                     acked = true;
                 }
-#pragma unroll
-                for (int i = 0; i < COMBINE_GROUP; ++i) {
-                    const int k = k0 + i;
-                    if (k < TOPK && ((kept >> k) & 1u)) {
-                        const float w = weighted ? batch.weight[r * TOPK + k] : 1.0f;
-                        accumulate<COMBINE_SEND_VPL>(acc, vals[i], w, weighted != 0, v0);
-                    }
-                }
-            }
+            });
             const i64 g = batch.row[r];
             const int s = static_cast<int>(g / max_tokens_per_rank);
             const i64 t = g - static_cast<i64>(s) * max_tokens_per_rank;
@@ -187,6 +201,42 @@ __device__ __forceinline__ void sum_partials(const i64* s_peer, int rank, int wo
     }
 }
 
+// ------------------------------------------------------------------------------- world 1
+
+// Block-wide, world 1 (no peer: nothing is sent, signalled or awaited): z [T, H] row t = the
+// partial row of slab row t, computed as send_partials does from y [capacity_rows, H], then summed
+// as sum_partials sums one rank's partial (from 0.0f, so z is bitwise what the two phases give).
+// One warp per (token, unit), each loading its token's recv_pos [M, K] (and recv_weight) with it;
+// a token with no kept entry gets zeros.
+__device__ __forceinline__ void combine_own_tokens(const void* y, int capacity_rows, const i32* recv_pos,
+                                                   const float* recv_weight, int weighted, int num_tokens, void* z) {
+    typedef RowParts<COMBINE_SEND_VPL> Chunks;
+    const int lane = threadIdx.x & 31;
+    const int warps = blockDim.x >> 5;
+    const i64 num_units = static_cast<i64>(num_tokens) * Chunks::kPerRow;
+    for (i64 unit = static_cast<i64>(blockIdx.x) * warps + (threadIdx.x >> 5); unit < num_units;
+         unit += static_cast<i64>(gridDim.x) * warps) {
+        const i64 t = unit / Chunks::kPerRow;
+        const int chunk = static_cast<int>(unit - t * Chunks::kPerRow);
+        const int pos = lane < TOPK ? recv_pos[t * TOPK + lane] : -1;
+        const float w = lane < TOPK && weighted ? recv_weight[t * TOPK + lane] : 1.0f;
+        const u32 kept = __ballot_sync(FULL_MASK, lane < TOPK && pos >= 0 && pos < capacity_rows);
+        const int v0 = chunk * Chunks::kVecs + lane;
+        float acc[COMBINE_SEND_VPL][ELEMS_PER_VEC];
+        zero_acc<COMBINE_SEND_VPL>(acc);
+        sum_kept_rows(acc, static_cast<const u8*>(y), kept, [&](int k) { return __shfl_sync(FULL_MASK, pos, k); },
+                      [&](int k) { return __shfl_sync(FULL_MASK, w, k); }, weighted != 0, v0, []() {});
+        Vec16 partial[COMBINE_SEND_VPL];
+#pragma unroll
+        for (int u = 0; u < COMBINE_SEND_VPL; ++u) partial[u] = pack16(acc[u]);
+        zero_acc<COMBINE_SEND_VPL>(acc);
+        accumulate<COMBINE_SEND_VPL>(acc, partial, 1.0f, false, v0);
+#pragma unroll
+        for (int u = 0; u < COMBINE_SEND_VPL; ++u) partial[u] = pack16(acc[u]);
+        store_unit<COMBINE_SEND_VPL>(static_cast<u8*>(z) + t * ROW_BYTES, partial, v0);
+    }
+}
+
 // --------------------------------------------------------------------------------- combine
 
 // One block per SM (gridDim.x <= SMs: blocks wait for the arrival the last of them signals).
@@ -208,6 +258,19 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) combine(
     block_wait_flags(s_peer[rank], world, CH_TO_SOURCE, FLAG_ARRIVAL, epoch, status, TIMEOUT_TO_SOURCE_ARRIVAL,
                      timeout_ns);
     sum_partials(s_peer, rank, world, max_tokens_per_rank, off_ret_x, send_mask, num_tokens, z);
+    end_call(call, state, SLOT_COMBINE_RECV, s_peer, rank, world, CH_TO_SOURCE, copy_stride);
+}
+
+// World 1: combine's result without the slab (combine_own_tokens), as a kernel of its own, so
+// the multi-rank kernel's registers stay its own. The same parameters as combine.
+extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) combine_one_rank(
+    const i64* __restrict__ peers, int rank, int world, int max_tokens_per_rank, u64* state, i64* status, i64 timeout_ns,
+    i64 off_ret_x, i64 copy_stride, i64 off_stage_x, int capacity_rows,
+    const void* __restrict__ y, const i32* __restrict__ recv_pos, const float* __restrict__ recv_weight, int weighted,
+    const u8* __restrict__ send_mask, int num_tokens, void* __restrict__ z) {
+    __shared__ i64 s_peer[MAX_WORLD];
+    const Call call = begin_call(s_peer, peers, world, state, CH_TO_SOURCE, true, SLOT_COMBINE_RECV, copy_stride);
+    combine_own_tokens(y, capacity_rows, recv_pos, recv_weight, weighted, num_tokens, z);
     end_call(call, state, SLOT_COMBINE_RECV, s_peer, rank, world, CH_TO_SOURCE, copy_stride);
 }
 

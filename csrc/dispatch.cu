@@ -11,7 +11,7 @@
 // back. Memory: the two copies of recv_x are 2 * W * M * row bytes of every rank's allocation
 // (2 x 470 MB at W = 8, M = 4096, H = 7168 bf16); moe-comm info --config gives the total.
 //
-// One kernel per call, `dispatch`, on one block per SM (its blocks wait for each other, so all of
+// One kernel per call, `dispatch` (`dispatch_one_rank` at world 1, below), on one block per SM (its blocks wait for each other, so all of
 // them must be resident at once). Blocks [0, num_senders) send (num_senders: the SM budget of
 // pushing rows; 0 at world 1, where no row leaves the rank); the blocks after them, when there are
 // any, form the "early group", which lays out and expands what it can while the rows are still in
@@ -55,6 +55,12 @@
 //   The call ends (end_call): the block counted in last at the start sets state.epoch[0] = e.
 //   (One copy:) instead every block counts itself done at the end, and the last one release-stores
 //   ack[0][R] = e into every source's flags, then sets state.epoch[0] = e.
+// One rank (world 1) runs `dispatch_one_rank`, the same phases less what only peers need: no
+// senders, no metadata rows or signal (the metadata phase, on the last blocks, writes send_mask,
+// dest_rank and the status word only), and the layout reads topk_idx and topk_weights themselves,
+// so it starts at once. When the T rows fit one layout block (decode sizes) every block lays them
+// all out for itself, keeping the positions in shared memory, and copies its part of the own rows
+// and padding with no barrier; one block writes the outputs (LayoutScope).
 // FP8 dispatch runs a build with FP8_ROWS (common.cuh): slabs and out_x hold packed FP8 rows, and
 // with `quantize` the send and own-expansion phases build them from config-dtype x as they go
 // ("FP8 rows from DTYPE rows" below); without it x holds packed rows, copied like any rows.
@@ -229,16 +235,17 @@ __device__ __forceinline__ TokenRoute route_token(const void* topk_idx, int idx_
     return route_expert_ids(load_expert_id(topk_idx, idx_is_64, t), num_experts, num_local_experts);
 }
 
-// Block-wide, blocks [0, meta_blocks), one warp per token: the metadata row of every token t < T
-// into recv_meta[R][t] of every rank, send_mask and dest_rank, and the invalid expert ids. Every
+// Block-wide, block `meta_block` of meta_blocks, one warp per token: the metadata row of every token t < T
+// into recv_meta[R][t] of every rank (with write_rows; the one-rank kernel's layout reads the
+// routing itself), send_mask and dest_rank, and the invalid expert ids. Every
 // warp first waits until ack[0][r] >= e - 1 for every rank r (r has finished reading what this
 // rank sent it at the previous epoch), its first token's inputs loading meanwhile; so every
 // store of the block after its next barrier (the counts, the flags, the senders' rows) is safe.
 __device__ __forceinline__ void send_metadata(const i64* s_peer, int rank, int world, int max_tokens_per_rank, u64 epoch,
                                               i64* status, i64 timeout_ns, i64 off_meta, int num_experts,
-                                              int meta_blocks, const void* topk_idx, int idx_is_64,
+                                              int meta_block, int meta_blocks, const void* topk_idx, int idx_is_64,
                                               const float* topk_weights, int num_tokens, u8* send_mask,
-                                              i32* dest_rank, bool wait_for_acks) {
+                                              i32* dest_rank, bool wait_for_acks, bool write_rows) {
     const int lane = threadIdx.x & 31;
     const int warps = blockDim.x >> 5;
     const int num_local_experts = num_experts / world;
@@ -249,7 +256,7 @@ __device__ __forceinline__ void send_metadata(const i64* s_peer, int rank, int w
         warp_wait_flags(s_peer[rank], world, CH_TO_DEST, FLAG_ACK, epoch - 1, status, TIMEOUT_TO_DEST_ACK, timeout_ns);
         acked = true;
     };
-    for (int t = blockIdx.x * warps + (threadIdx.x >> 5); t < num_tokens; t += meta_blocks * warps) {
+    for (int t = meta_block * warps + (threadIdx.x >> 5); t < num_tokens; t += meta_blocks * warps) {
         const i64 expert = load_expert_id(topk_idx, idx_is_64, t);
         const u32 weight = lane < TOPK ? __float_as_uint(topk_weights[static_cast<i64>(t) * TOPK + lane]) : 0u;
         if (!acked) wait_acks();
@@ -265,7 +272,7 @@ __device__ __forceinline__ void send_metadata(const i64* s_peer, int rank, int w
         if (lane < TOPK) {
             const i64 i = static_cast<i64>(t) * TOPK + lane;
             dest_rank[i] = route.dest;
-            for (int r = 0; r < world; ++r) {
+            for (int r = 0; r < world && write_rows; ++r) {
                 u32* row = reinterpret_cast<u32*>(s_peer[r] + off_meta) +
                            (static_cast<i64>(rank) * max_tokens_per_rank + t) * META_WORDS;
                 remote_st32(row + lane, static_cast<u32>(route.dest == r ? route.local : -1), r);
@@ -344,6 +351,39 @@ __device__ __forceinline__ i64 slab_row_of(const i64* begin, int world, int max_
     return static_cast<i64>(lo) * max_tokens_per_rank + (v - begin[lo]);
 }
 
+// Where the layout reads the entries of slab row g: the metadata rows the sources wrote (T_s from
+// their count words), or with kRouting (world 1: the one-rank kernel) this rank's routing itself:
+// nothing crosses a rank there, so the layout need not wait for the metadata phase (T_0 = T; the
+// local expert ids are the global ones).
+template <bool kRouting>
+struct EntrySource {
+    const u32* meta;            // recv_meta [W * M, META_WORDS] of this call's copy
+    const void* topk_idx;       // kRouting: [T, K] int32 or int64 (idx_is_64)
+    int idx_is_64;
+    const float* topk_weights;  // kRouting: [T, K]
+    int num_tokens;             // kRouting: T
+
+    // Entry k's local expert id, -1 if none or invalid.
+    __device__ __forceinline__ int local_expert(i64 g, int k, int num_local_experts) const {
+        i64 j;
+        if (kRouting) {
+            const i64 i = g * TOPK + k;
+            j = idx_is_64 ? static_cast<const i64*>(topk_idx)[i] : static_cast<i64>(static_cast<const i32*>(topk_idx)[i]);
+        } else {
+            j = static_cast<i32>(meta[g * META_WORDS + k]);
+        }
+        return j >= 0 && j < num_local_experts ? static_cast<int>(j) : -1;
+    }
+    __device__ __forceinline__ float weight(i64 g, int k) const {
+        return kRouting ? topk_weights[g * TOPK + k] : __uint_as_float(meta[g * META_WORDS + TOPK + k]);
+    }
+    // T_p, capped at M.
+    __device__ __forceinline__ int tokens(i64 base, int world, int p, u64 epoch, int max_tokens_per_rank) const {
+        const u64 count = kRouting ? static_cast<u64>(num_tokens) : ld_relaxed_sys(count_flag(base, world, CH_TO_DEST, p, epoch));
+        return count > static_cast<u64>(max_tokens_per_rank) ? max_tokens_per_rank : static_cast<int>(count);
+    }
+};
+
 // The entries of LAYOUT_BATCH consecutive tiles of a warp, one lane per entry (k) of a row.
 struct TileBatch {
     int ids[LAYOUT_BATCH];         // local expert id, -1 if none or invalid
@@ -352,9 +392,10 @@ struct TileBatch {
 };
 
 // Warp-wide: tiles [tile0, min(tile0 + LAYOUT_BATCH, tile_end)) of the virtual rows v <
-// total_rows (tile i holds rows [i * rows_per_tile, (i + 1) * rows_per_tile)) from the metadata
-// slabs `meta` [W * M, META_WORDS]; all of the batch's loads are issued before any is used.
-__device__ __forceinline__ void load_tile_batch(TileBatch& batch, const u32* meta, const i64* begin, int world,
+// total_rows (tile i holds rows [i * rows_per_tile, (i + 1) * rows_per_tile)) from `src`; all of
+// the batch's loads are issued before any is used.
+template <typename Entries>
+__device__ __forceinline__ void load_tile_batch(TileBatch& batch, const Entries& src, const i64* begin, int world,
                                                 int max_tokens_per_rank, int num_local_experts, i64 tile0, i64 tile_end,
                                                 i64 total_rows, bool with_weights) {
     const int rows_per_tile = 32 / TOPK;
@@ -369,24 +410,20 @@ __device__ __forceinline__ void load_tile_batch(TileBatch& batch, const u32* met
         const i64 v = (tile0 + b) * rows_per_tile + tile_row;
         if (tile_row < rows_per_tile && tile0 + b < tile_end && v < total_rows) {
             const i64 g = slab_row_of(begin, world, max_tokens_per_rank, v);
-            const int j = static_cast<int>(meta[g * META_WORDS + k]);
-            batch.ids[b] = j >= 0 && j < num_local_experts ? j : -1;
-            if (with_weights) batch.weights[b] = __uint_as_float(meta[g * META_WORDS + TOPK + k]);
+            batch.ids[b] = src.local_expert(g, k, num_local_experts);
+            if (with_weights) batch.weights[b] = src.weight(g, k);
             batch.rows[b] = g;
         }
     }
 }
 
-// Block-wide: the tokens T_s of every source (its count flag, at most M) into s_tokens [W], where
-// each source's rows start among the concatenated rows t < T_s into s_begin [W + 1] (s_begin[W]:
-// all of them), and zero per-warp counts s_count [warps * num_local_experts].
-__device__ __forceinline__ void load_slab_tokens(i32* s_tokens, i64* s_begin, i32* s_count, i64 base, int world,
-                                                 int max_tokens_per_rank, int count_words, u64 epoch) {
-    for (int p = threadIdx.x; p < world; p += blockDim.x) {
-        const u64 count = ld_relaxed_sys(count_flag(base, world, CH_TO_DEST, p, epoch));
-        s_tokens[p] = count > static_cast<u64>(max_tokens_per_rank) ? max_tokens_per_rank : static_cast<int>(count);
-    }
-    for (int i = threadIdx.x; i < count_words; i += blockDim.x) s_count[i] = 0;
+// Block-wide: the tokens T_s of every source (its count word, at most M; at world 1 the routing's
+// T) into s_tokens [W], where each source's rows start among the concatenated rows t < T_s into
+// s_begin [W + 1] (s_begin[W]: all of them). Ends with __syncthreads().
+template <typename Entries>
+__device__ __forceinline__ void load_slab_tokens(i32* s_tokens, i64* s_begin, const Entries& src, i64 base, int world,
+                                                 int max_tokens_per_rank, u64 epoch) {
+    for (int p = threadIdx.x; p < world; p += blockDim.x) s_tokens[p] = src.tokens(base, world, p, epoch, max_tokens_per_rank);
     __syncthreads();
     if (threadIdx.x == 0) {
         i64 acc = 0;
@@ -402,11 +439,12 @@ __device__ __forceinline__ void load_slab_tokens(i32* s_tokens, i64* s_begin, i3
 // Warp-wide, pass 1 of the layout: the entries of the warp's tiles [tile_begin, tile_end) counted
 // per local expert into my_count [num_local_experts]; a warp with one batch keeps its entries in
 // `entries` for pass 2. Ends with __syncthreads().
-__device__ __forceinline__ void count_entries(TileBatch& entries, i32* my_count, const u32* meta, const i64* begin,
+template <typename Entries>
+__device__ __forceinline__ void count_entries(TileBatch& entries, i32* my_count, const Entries& src, const i64* begin,
                                               int world, int max_tokens_per_rank, int num_local_experts,
                                               i64 tile_begin, i64 tile_end, i64 total_rows, bool one_batch) {
     for (i64 tile0 = tile_begin; tile0 < tile_end; tile0 += LAYOUT_BATCH) {
-        load_tile_batch(entries, meta, begin, world, max_tokens_per_rank, num_local_experts, tile0, tile_end, total_rows, one_batch);
+        load_tile_batch(entries, src, begin, world, max_tokens_per_rank, num_local_experts, tile0, tile_end, total_rows, one_batch);
 #pragma unroll
         for (int b = 0; b < LAYOUT_BATCH; ++b) {
             if (tile0 + b >= tile_end) break;  // the warp's last batch may be short
@@ -482,32 +520,58 @@ __device__ __forceinline__ void report_drops(i64* status, i64 num_dropped, i64 f
     }
 }
 
-// Block-wide, on `blocks` blocks (this one is number `block` of them), after every source's
-// metadata was acquired: the layout (see the top of this file). smem: (warps + 3) * num_local_experts
-// int32 of dynamic shared memory (per-warp counts, block totals, earlier blocks' counts, segment
-// starts). block_counts [blocks, num_local_experts] int32 and barrier_flags [blocks] u64 are local scratch
-// (flags start at 0). Pass 2 and the segment scan stay inline here: as helpers they changed the
-// machine code (more registers for pass 2).
-__device__ __forceinline__ void layout_entries(i32* smem, i64 base, int rank, int world, int max_tokens_per_rank, u64 epoch,
-                                               i64* status, i64 timeout_ns, i64 off_meta, int num_local_experts,
-                                               int alignment, int capacity, int block, int blocks, i32* recv_pos,
-                                               float* recv_weight, i32* expert_offsets, i32* tokens_per_expert,
-                                               i32* block_counts, u64* barrier_flags) {
-    __shared__ i32 s_tokens[MAX_WORLD];
-    __shared__ i64 s_begin[MAX_WORLD + 1];
+// The layout's dynamic shared memory (int32): per-warp counts [warps][L], then L each of block
+// totals, earlier blocks' counts and segment starts, then (a replicated layout) the positions of
+// the carried rows [LAYOUT_ROWS_PER_BLOCK][K]. The host sizes it (kernels.DispatchKernels).
+struct LayoutShared {
+    i32* count;      // [warps][L]
+    i32* total;      // [L]: this block's entries per expert, then every block's
+    i32* before;     // [L]: entries of the layout blocks before this one
+    i32* start;      // [L]: segment starts
+    i32* positions;  // [LAYOUT_ROWS_PER_BLOCK][K]: recv_pos of virtual row v (rows t < T_s concatenated)
+};
+
+__device__ __forceinline__ LayoutShared layout_shared(i32* smem, int num_local_experts) {
+    LayoutShared shared;
+    shared.count = smem;
+    shared.total = smem + (blockDim.x >> 5) * num_local_experts;
+    shared.before = shared.total + num_local_experts;
+    shared.start = shared.before + num_local_experts;
+    shared.positions = shared.start + num_local_experts;
+    return shared;
+}
+
+// Which part of the layout a block does. Past decode sizes the layout blocks split the rows, each
+// writing its part of the outputs. At decode sizes (the carried rows fit one layout block) every
+// block of the group lays out all of them for itself, keeping the positions in shared memory, so
+// no barrier stands between the layout and the copies; one block (`writes`) writes the outputs.
+struct LayoutScope {
+    int block, blocks;              // this block among those that rank the rows
+    int clear_block, clear_blocks;  // this block among those that clear the empty slab rows
+    bool writes;                    // writes recv_pos, recv_weight, the segments, and reports drops
+    bool keeps_positions;           // fills LayoutShared::positions (the whole layout is this block's)
+};
+
+// Block-wide, after every source's metadata was acquired (or at world 1 at once): the layout (see
+// the top of this file) of the rows of s_tokens / s_begin (load_slab_tokens) read from `src`, this
+// block's part of it by `scope`. block_counts [blocks, num_local_experts] int32 and barrier_flags
+// [blocks] u64 are local scratch (flags start at 0). Pass 2 and the segment scan stay inline here:
+// as helpers they changed the machine code (more registers for pass 2).
+template <typename Entries>
+__device__ __forceinline__ void layout_entries(const LayoutShared& shared, const Entries& src, const i32* s_tokens,
+                                               const i64* s_begin, int rank, int world, int max_tokens_per_rank, u64 epoch,
+                                               i64* status, i64 timeout_ns, int num_local_experts, int alignment,
+                                               int capacity, const LayoutScope& scope, i32* recv_pos, float* recv_weight,
+                                               i32* expert_offsets, i32* tokens_per_expert, i32* block_counts,
+                                               u64* barrier_flags) {
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int warps = blockDim.x >> 5;
-    i32* s_count = smem;                           // [warps][num_local_experts]
-    i32* s_total = smem + warps * num_local_experts;       // [num_local_experts]: this block's, then every block's
-    i32* s_before = s_total + num_local_experts;           // [num_local_experts]: entries of the blocks before this one
-    i32* s_start = s_before + num_local_experts;           // [num_local_experts]
-
-    load_slab_tokens(s_tokens, s_begin, s_count, base, world, max_tokens_per_rank, warps * num_local_experts, epoch);
+    const int block = scope.block;
+    for (int i = threadIdx.x; i < warps * num_local_experts; i += blockDim.x) shared.count[i] = 0;
 
     // Entries are taken in tiles of whole rows (32 / K rows, one lane per entry), and each warp
     // owns a contiguous range of tiles, so ranks follow the lexicographic (s, t, k) order.
-    const u32* meta = reinterpret_cast<const u32*>(base + off_meta);
     const int rows_per_tile = 32 / TOPK;
     const int tile_row = lane / TOPK;
     const int k = lane - tile_row * TOPK;
@@ -515,9 +579,10 @@ __device__ __forceinline__ void layout_entries(i32* smem, i64 base, int rank, in
     // The host sized `blocks` for full slabs; the rows of this call fill only `busy` of them (one
     // at decode sizes, which then needs no barrier). Every layout block reads the same counts.
     const i64 filled = (total_rows + LAYOUT_ROWS_PER_BLOCK - 1) / LAYOUT_ROWS_PER_BLOCK;
-    const int busy = static_cast<int>(imin64(blocks, filled > 1 ? filled : 1));
+    const int busy = static_cast<int>(imin64(scope.blocks, filled > 1 ? filled : 1));
     if (block >= busy) {
-        clear_empty_rows(s_tokens, world, max_tokens_per_rank, block, blocks, recv_pos, recv_weight);
+        clear_empty_rows(s_tokens, world, max_tokens_per_rank, scope.clear_block, scope.clear_blocks, recv_pos,
+                         recv_weight);
         return;
     }
     const i64 num_tiles = (total_rows + rows_per_tile - 1) / rows_per_tile;
@@ -528,27 +593,28 @@ __device__ __forceinline__ void layout_entries(i32* smem, i64 base, int rank, in
     const i64 tile_begin = imin64(block_end, block_begin + warp * per_warp);
     const i64 tile_end = imin64(block_end, tile_begin + per_warp);
     const u32 row_lanes = TOPK == 32 ? FULL_MASK : ((1u << (TOPK & 31)) - 1u) << ((tile_row * TOPK) & 31);
-    i32* my_count = s_count + warp * num_local_experts;
+    i32* my_count = shared.count + warp * num_local_experts;
 
     // Pass 1. A warp with one batch (decode sizes) keeps its entries, weights too, in registers
     // for pass 2: one round trip to the metadata fewer.
     const bool one_batch = tile_end - tile_begin <= LAYOUT_BATCH;
     TileBatch entries;
-    count_entries(entries, my_count, meta, s_begin, world, max_tokens_per_rank, num_local_experts, tile_begin, tile_end,
+    __syncthreads();  // the counts are zero
+    count_entries(entries, my_count, src, s_begin, world, max_tokens_per_rank, num_local_experts, tile_begin, tile_end,
                   total_rows, one_batch);
-    prefix_over_warps(s_count, s_total, warps, num_local_experts);
-    gather_block_counts(s_total, s_before, num_local_experts, block, busy, block_counts, barrier_flags, epoch, status,
-                        rank, timeout_ns);
+    prefix_over_warps(shared.count, shared.total, warps, num_local_experts);
+    gather_block_counts(shared.total, shared.before, num_local_experts, block, busy, block_counts, barrier_flags, epoch,
+                        status, rank, timeout_ns);
 
     // Kept counts, aligned segments and their cumulative ends.
     block_inclusive_scan(num_local_experts, [&](int j) {
-        const int kept = min(s_total[j], capacity);
+        const int kept = min(shared.total[j], capacity);
         return (kept + alignment - 1) / alignment * alignment;
     }, [&](int j, int segment, int end) {
-        s_start[j] = end - segment;
-        if (block == 0) {
+        shared.start[j] = end - segment;
+        if (block == 0 && scope.writes) {
             expert_offsets[j] = end;
-            tokens_per_expert[j] = min(s_total[j], capacity);
+            tokens_per_expert[j] = min(shared.total[j], capacity);
         }
     });
 
@@ -557,7 +623,7 @@ __device__ __forceinline__ void layout_entries(i32* smem, i64 base, int rank, in
     i64 first_dropped = NO_OFFENDER;
     for (i64 tile0 = tile_begin; tile0 < tile_end; tile0 += LAYOUT_BATCH) {
         if (!one_batch) {
-            load_tile_batch(entries, meta, s_begin, world, max_tokens_per_rank, num_local_experts, tile0, tile_end, total_rows, true);
+            load_tile_batch(entries, src, s_begin, world, max_tokens_per_rank, num_local_experts, tile0, tile_end, total_rows, true);
         }
 #pragma unroll
         for (int b = 0; b < LAYOUT_BATCH; ++b) {
@@ -566,7 +632,7 @@ __device__ __forceinline__ void layout_entries(i32* smem, i64 base, int rank, in
             const u32 same = __match_any_sync(FULL_MASK, j);
             const u32 nonempty = __ballot_sync(FULL_MASK, j >= 0);
             const bool first_of_expert = j >= 0 && (same & lanemask_lt()) == 0u;
-            const int rank_in_expert = j >= 0 ? s_before[j] + my_count[j] + __popc(same & lanemask_lt()) : 0;
+            const int rank_in_expert = j >= 0 ? shared.before[j] + my_count[j] + __popc(same & lanemask_lt()) : 0;
             __syncwarp();
             if (first_of_expert) my_count[j] += __popc(same);
             __syncwarp();
@@ -575,7 +641,7 @@ __device__ __forceinline__ void layout_entries(i32* smem, i64 base, int rank, in
                 int pos = -1;
                 if (j >= 0) {
                     if (rank_in_expert < capacity) {
-                        pos = s_start[j] + rank_in_expert;
+                        pos = shared.start[j] + rank_in_expert;
                     } else {
                         pos = -2;
                         ++num_dropped;
@@ -583,15 +649,19 @@ __device__ __forceinline__ void layout_entries(i32* smem, i64 base, int rank, in
                         first_dropped = imin64(first_dropped, (s << 32) | (g - s * max_tokens_per_rank));
                     }
                 }
-                recv_pos[g * TOPK + k] = pos;
-                // A row that carries a token keeps all K weights (as the source sent them).
-                recv_weight[g * TOPK + k] = (nonempty & row_lanes) != 0u ? entries.weights[b] : 0.0f;
+                if (scope.keeps_positions) shared.positions[((tile0 + b) * rows_per_tile + tile_row) * TOPK + k] = pos;
+                if (scope.writes) {
+                    recv_pos[g * TOPK + k] = pos;
+                    // A row that carries a token keeps all K weights (as the source sent them).
+                    recv_weight[g * TOPK + k] = (nonempty & row_lanes) != 0u ? entries.weights[b] : 0.0f;
+                }
             }
         }
     }
 
-    clear_empty_rows(s_tokens, world, max_tokens_per_rank, block, blocks, recv_pos, recv_weight);
-    report_drops(status, num_dropped, first_dropped, epoch);
+    clear_empty_rows(s_tokens, world, max_tokens_per_rank, scope.clear_block, scope.clear_blocks, recv_pos, recv_weight);
+    if (scope.writes) report_drops(status, num_dropped, first_dropped, epoch);
+    __syncthreads();  // the positions are complete
 }
 
 // ----------------------------------------------------------------------------- expand phase
@@ -666,23 +736,25 @@ __device__ __forceinline__ void copy_listed_rows(const RowBatch& batch, int list
 
 // Warp-wide, the warps of blocks [first_block, first_block + blocks): this rank's own rows t <
 // num_tokens unit by unit (warp w of them takes units w, w + blocks * warps, ...), each warp
-// loading its rows' recv_pos [W * M, K] (written by the layout before a barrier: plain loads)
-// alongside the unit. Decode sizes: no batch of recv_pos, loaded by the block before any row,
-// stands between the barrier and the rows.
+// loading its row's K positions, row pos_row0 + t of `positions` [rows, K] (recv_pos [W * M, K]
+// written by the layout before a barrier, plain loads; or the block's own copy of the layout in
+// shared memory), alongside the unit. Decode sizes: no batch of positions, loaded by the block
+// before any row, stands between the layout and the rows.
 __device__ __forceinline__ void expand_own_units(int first_block, int blocks, const u8* recv, const u8* x,
                                                  bool quantize_own, int packed_own, int num_tokens, int rank,
-                                                 int max_tokens_per_rank, const i32* recv_pos, int capacity_rows,
-                                                 u8* out) {
+                                                 int max_tokens_per_rank, const i32* positions, i64 pos_row0,
+                                                 int capacity_rows, u8* out) {
     typedef RowParts<EXPAND_VPL> Chunks;
     const int lane = threadIdx.x & 31;
     const i64 warps = blockDim.x >> 5;
     const i64 units = static_cast<i64>(num_tokens) * Chunks::kPerRow;
     for (i64 unit = (blockIdx.x - first_block) * warps + (threadIdx.x >> 5); unit < units; unit += blocks * warps) {
-        const i64 g = static_cast<i64>(rank) * max_tokens_per_rank + unit / Chunks::kPerRow;
+        const i64 t = unit / Chunks::kPerRow;
         const int chunk = static_cast<int>(unit % Chunks::kPerRow);
-        const int pos = lane < TOPK ? recv_pos[g * TOPK + lane] : -1;
-        copy_row_unit(g, chunk, pos, [&](int k) { return __shfl_sync(FULL_MASK, pos, k); }, recv, x, quantize_own,
-                      packed_own, num_tokens, rank, max_tokens_per_rank, capacity_rows, out);
+        const int pos = lane < TOPK ? positions[(pos_row0 + t) * TOPK + lane] : -1;
+        copy_row_unit(static_cast<i64>(rank) * max_tokens_per_rank + t, chunk, pos,
+                      [&](int k) { return __shfl_sync(FULL_MASK, pos, k); }, recv, x, quantize_own, packed_own,
+                      num_tokens, rank, max_tokens_per_rank, capacity_rows, out);
     }
 }
 
@@ -778,17 +850,33 @@ __device__ __forceinline__ void expand_arrivals(RowBatch& batch, i64 base, int r
 
 // Block-wide: the segments of the local experts in shared memory [num_local_experts] each: s_end (their
 // ends, expert_offsets), s_kept (rows kept, tokens_per_expert) and s_pad (padding rows of the
-// experts up to and including j, cumulative). expert_offsets and tokens_per_expert were written
-// by the layout's first block before a barrier this block passed: coherent loads.
-__device__ __forceinline__ void load_segments(i32* s_end, i32* s_kept, i32* s_pad, const i32* expert_offsets,
-                                              const i32* tokens_per_expert, int num_local_experts) {
-    for (int j = threadIdx.x; j < num_local_experts; j += blockDim.x) {
-        s_end[j] = ld_relaxed_gpu_i32(expert_offsets + j);
-        s_kept[j] = ld_relaxed_gpu_i32(tokens_per_expert + j);
-    }
+// experts up to and including j, cumulative), from kept_and_end(j, kept, end).
+template <typename KeptAndEnd>
+__device__ __forceinline__ void segments(i32* s_end, i32* s_kept, i32* s_pad, int num_local_experts, KeptAndEnd kept_and_end) {
+    for (int j = threadIdx.x; j < num_local_experts; j += blockDim.x) kept_and_end(j, s_kept[j], s_end[j]);
     __syncthreads();
     block_inclusive_scan(num_local_experts, [&](int j) { return s_end[j] - (j == 0 ? 0 : s_end[j - 1]) - s_kept[j]; },
                          [&](int j, int, int pad) { s_pad[j] = pad; });
+}
+
+// segments() from expert_offsets and tokens_per_expert, which the layout's first block wrote
+// before a barrier this block passed: coherent loads.
+__device__ __forceinline__ void load_segments(i32* s_end, i32* s_kept, i32* s_pad, const i32* expert_offsets,
+                                              const i32* tokens_per_expert, int num_local_experts) {
+    segments(s_end, s_kept, s_pad, num_local_experts, [&](int j, i32& kept, i32& end) {
+        end = ld_relaxed_gpu_i32(expert_offsets + j);
+        kept = ld_relaxed_gpu_i32(tokens_per_expert + j);
+    });
+}
+
+// segments() from this block's own layout (LayoutShared's totals and starts; s_end, s_kept and
+// s_pad may overlay its per-warp counts, which are no longer needed).
+__device__ __forceinline__ void layout_segments(i32* s_end, i32* s_kept, i32* s_pad, const LayoutShared& shared,
+                                                int num_local_experts, int alignment, int capacity) {
+    segments(s_end, s_kept, s_pad, num_local_experts, [&](int j, i32& kept, i32& end) {
+        kept = min(shared.total[j], capacity);
+        end = shared.start[j] + (kept + alignment - 1) / alignment * alignment;
+    });
 }
 
 // Block-wide, blocks [first_block, gridDim.x): zero the padding rows [start_j + n_j, end_j) of
@@ -868,21 +956,30 @@ __device__ __forceinline__ u64* next_call_tickets_zeroed(u64* state, u64 epoch) 
     return state + STATE_CLAIM + (epoch & 1);
 }
 
+// The parameters of both dispatch kernels (below), and their names.
+#define DISPATCH_PARAMS                                                                                            \
+    const i64* __restrict__ peers, int rank, int world, int max_tokens_per_rank, u64* state, i64* status,         \
+    i64 timeout_ns, i64 off_meta, i64 off_recv_x, i64 copy_stride, int num_experts, int chunk_tokens,             \
+    int num_local_experts, int alignment, int capacity, i32* block_counts, u64* barrier_flags, int capacity_rows, \
+    int num_senders, int layout_blocks, const void* __restrict__ x, int quantize,                                 \
+    const void* __restrict__ topk_idx, int idx_is_64, const float* __restrict__ topk_weights, int num_tokens,     \
+    u8* __restrict__ send_mask, i32* __restrict__ dest_rank, i32* recv_pos, float* recv_weight,                   \
+    i32* expert_offsets, i32* tokens_per_expert, void* __restrict__ out_x
+#define DISPATCH_ARGS                                                                                              \
+    peers, rank, world, max_tokens_per_rank, state, status, timeout_ns, off_meta, off_recv_x, copy_stride,        \
+    num_experts, chunk_tokens, num_local_experts, alignment, capacity, block_counts, barrier_flags, capacity_rows, \
+    num_senders, layout_blocks, x, quantize, topk_idx, idx_is_64, topk_weights, num_tokens, send_mask, dest_rank, \
+    recv_pos, recv_weight, expert_offsets, tokens_per_expert, out_x
+
 // One block per SM (gridDim.x <= SMs: blocks wait for each other). Blocks [0, num_senders) send;
 // the blocks after them (the early group; every block when all send), the last layout_blocks of
 // them laying out, receive while the senders still send, and the senders then join the arrivals.
-// Dynamic shared memory: the layout's (blockDim.x / 32 + 3) * num_local_experts int32.
-// block_counts [layout_blocks, num_local_experts] int32 and barrier_flags [2, gridDim.x] u64 (zero
-// at first) are this kernel's local scratch.
-extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) dispatch(
-    const i64* __restrict__ peers, int rank, int world, int max_tokens_per_rank, u64* state, i64* status, i64 timeout_ns,
-    i64 off_meta, i64 off_recv_x, i64 copy_stride, int num_experts, int chunk_tokens, int num_local_experts, int alignment,
-    int capacity,
-    i32* block_counts, u64* barrier_flags, int capacity_rows,
-    int num_senders, int layout_blocks, const void* __restrict__ x, int quantize, const void* __restrict__ topk_idx,
-    int idx_is_64,
-    const float* __restrict__ topk_weights, int num_tokens, u8* __restrict__ send_mask, i32* __restrict__ dest_rank,
-    i32* recv_pos, float* recv_weight, i32* expert_offsets, i32* tokens_per_expert, void* __restrict__ out_x) {
+// kOneRank (world 1, no senders): the layout reads the routing itself, at decode sizes on every
+// block for itself (LayoutScope), and nothing is sent or awaited. Dynamic shared memory:
+// LayoutShared's. block_counts [layout_blocks, num_local_experts] int32 and barrier_flags [2,
+// gridDim.x] u64 (zero at first) are this kernel's local scratch.
+template <bool kOneRank>
+__device__ __forceinline__ void dispatch_call(DISPATCH_PARAMS) {
     extern __shared__ i32 smem[];
     __shared__ i64 s_peer[MAX_WORLD];
     __shared__ RowBatch batch;
@@ -900,12 +997,16 @@ extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) dispatch(
 
     // Metadata on the senders (before their rows: at decode sizes rows sent alongside delay the
     // metadata, which the layout waits for), and on more blocks when they have a token per warp.
+    // With one rank nothing waits for it (only send_mask, dest_rank and the status word), and it
+    // goes on the last blocks: the first ones copy the own rows.
     const int warps = blockDim.x >> 5;
     const int meta_blocks = max(max(num_senders, 1), min(grid, (num_tokens + warps - 1) / warps));
-    if (block < meta_blocks) {
-        send_metadata(s_peer, rank, world, max_tokens_per_rank, epoch, status, timeout_ns, off_meta, num_experts, meta_blocks,
-                      topk_idx, idx_is_64, topk_weights, num_tokens, send_mask, dest_rank, acks_needed(copy_stride));
-        if (last_block_done(state + STATE_DONE + SLOT_DISPATCH_META, meta_blocks)) {
+    const int meta_first = kOneRank ? grid - meta_blocks : 0;
+    if (block >= meta_first && block < meta_first + meta_blocks) {
+        send_metadata(s_peer, rank, world, max_tokens_per_rank, epoch, status, timeout_ns, off_meta, num_experts,
+                      block - meta_first, meta_blocks, topk_idx, idx_is_64, topk_weights, num_tokens, send_mask,
+                      dest_rank, acks_needed(copy_stride), !kOneRank);
+        if (!kOneRank && last_block_done(state + STATE_DONE + SLOT_DISPATCH_META, meta_blocks)) {
             signal_every_rank(s_peer, rank, world, CH_TO_DEST, FLAG_META, epoch, true, static_cast<u64>(num_tokens));
         }
     }
@@ -915,14 +1016,23 @@ extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) dispatch(
     }
 
     if (block >= early) {
+        __shared__ i32 s_tokens[MAX_WORLD];
+        __shared__ i64 s_begin[MAX_WORLD + 1];
+        const EntrySource<kOneRank> entries{reinterpret_cast<const u32*>(s_peer[rank] + off_meta), topk_idx, idx_is_64,
+                                            topk_weights, num_tokens};
+        const LayoutShared shared = layout_shared(smem, num_local_experts);
+        // With one rank, rows that fit one layout block are laid out by every block for itself:
+        // no barrier (LayoutScope).
+        const bool replicated = kOneRank && num_tokens <= LAYOUT_ROWS_PER_BLOCK;
         // FP8: this rank's rows t < packed_own were packed into its own slab, where the own
         // expansion reads them; it quantizes the rest from x.
         int packed_own = 0;
 #if FP8_ROWS
         // Own rows packed while the metadata travels, on the blocks that do not lay out (all of the
-        // group when every one does); the barrier below orders them before the own expansion. With
-        // puts the senders stage rows in the same slab rows: the same bytes.
-        if (quantize) {
+        // group when every one does); the barrier below orders them before the own expansion (a
+        // replicated layout has none: it packs nothing). With puts the senders stage rows in the
+        // same slab rows: the same bytes.
+        if (quantize && !replicated) {
             packed_own = min(num_tokens, FP8_PACK_OWN_MAX_TOKENS);
             const int packers_end = layout_first > early ? layout_first : grid;
             if (block < packers_end) {
@@ -935,34 +1045,59 @@ extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) dispatch(
             }
         }
 #endif
-        block_wait_flags(s_peer[rank], world, CH_TO_DEST, FLAG_META, epoch, status, TIMEOUT_TO_DEST_ARRIVAL,
-                         timeout_ns);
-        if (block >= layout_first) {
-            layout_entries(smem, s_peer[rank], rank, world, max_tokens_per_rank, epoch, status, timeout_ns, off_meta,
-                           num_local_experts, alignment, capacity, block - layout_first, layout_blocks, recv_pos, recv_weight,
-                           expert_offsets, tokens_per_expert, block_counts, barrier_flags);
+        if (!kOneRank) {
+            block_wait_flags(s_peer[rank], world, CH_TO_DEST, FLAG_META, epoch, status, TIMEOUT_TO_DEST_ARRIVAL,
+                             timeout_ns);
         }
-        blocks_barrier(barrier_flags + grid, block, early, grid, epoch, status, rank, timeout_ns);
-        const ExpandRoles roles = expand_roles(early, grid, world, num_tokens, max_tokens_per_rank);
-        if (roles.split && block < roles.own_end) {
-            expand_own_units(early, roles.own_end - early, recv, static_cast<const u8*>(x), quantize != 0, packed_own,
-                             num_tokens, rank, max_tokens_per_rank, recv_pos, capacity_rows, out);
-        } else if (block >= roles.pad_first) {
-            if (!roles.split) {
-                expand_rows(batch, slab_rows(OWN_SLAB, rank, world, max_tokens_per_rank, grid - early), early, recv,
-                            static_cast<const u8*>(x), quantize != 0, packed_own, num_tokens, rank, max_tokens_per_rank,
-                            recv_pos, capacity_rows, out);
+        if (replicated) {
+            load_slab_tokens(s_tokens, s_begin, entries, s_peer[rank], world, max_tokens_per_rank, epoch);
+            layout_entries(shared, entries, s_tokens, s_begin, rank, world, max_tokens_per_rank, epoch, status, timeout_ns,
+                           num_local_experts, alignment, capacity,
+                           LayoutScope{0, 1, block - early, grid - early, block == grid - 1, true}, recv_pos, recv_weight,
+                           expert_offsets, tokens_per_expert, block_counts, barrier_flags);
+        } else {
+            if (block >= layout_first) {
+                const int b = block - layout_first;
+                load_slab_tokens(s_tokens, s_begin, entries, s_peer[rank], world, max_tokens_per_rank, epoch);
+                layout_entries(shared, entries, s_tokens, s_begin, rank, world, max_tokens_per_rank, epoch, status,
+                               timeout_ns, num_local_experts, alignment, capacity,
+                               LayoutScope{b, layout_blocks, b, layout_blocks, true, false}, recv_pos, recv_weight,
+                               expert_offsets, tokens_per_expert, block_counts, barrier_flags);
             }
+            blocks_barrier(barrier_flags + grid, block, early, grid, epoch, status, rank, timeout_ns);
+        }
+        const ExpandRoles roles = expand_roles(early, grid, world, num_tokens, max_tokens_per_rank);
+        const int own_last = roles.split ? roles.own_end : grid;
+        if (replicated || roles.split) {
+            if (block < own_last) {
+                expand_own_units(early, own_last - early, recv, static_cast<const u8*>(x), quantize != 0, packed_own,
+                                 num_tokens, rank, max_tokens_per_rank, replicated ? shared.positions : recv_pos,
+                                 replicated ? 0 : static_cast<i64>(rank) * max_tokens_per_rank, capacity_rows, out);
+            }
+        } else {
+            expand_rows(batch, slab_rows(OWN_SLAB, rank, world, max_tokens_per_rank, grid - early), early, recv,
+                        static_cast<const u8*>(x), quantize != 0, packed_own, num_tokens, rank, max_tokens_per_rank,
+                        recv_pos, capacity_rows, out);
+        }
+        if (block >= roles.pad_first) {
             // In the batched path the segments come only after the own rows: their loads would delay
             // the first row copies.
-            load_segments(smem, smem + num_local_experts, smem + 2 * num_local_experts, expert_offsets, tokens_per_expert,
-                          num_local_experts);
-            zero_padding(smem, smem + num_local_experts, smem + 2 * num_local_experts, num_local_experts, capacity_rows,
-                         roles.pad_first, out);
+            i32* s_end = smem;
+            i32* s_kept = smem + num_local_experts;
+            i32* s_pad = smem + 2 * num_local_experts;
+            if (replicated) {
+                layout_segments(s_end, s_kept, s_pad, shared, num_local_experts, alignment, capacity);
+            } else {
+                load_segments(s_end, s_kept, s_pad, expert_offsets, tokens_per_expert, num_local_experts);
+            }
+            zero_padding(s_end, s_kept, s_pad, num_local_experts, capacity_rows, roles.pad_first, out);
         }
-        expand_arrivals(batch, s_peer[rank], rank, world, max_tokens_per_rank, chunk_tokens, epoch, status, timeout_ns,
-                        roles.arrivals_first, roles.arrivals_last, tickets, recv, recv_pos, capacity_rows, out);
-    } else if (world > 1) {
+        if (!kOneRank) {
+            expand_arrivals(batch, s_peer[rank], rank, world, max_tokens_per_rank, chunk_tokens, epoch, status,
+                            timeout_ns, roles.arrivals_first, roles.arrivals_last, tickets, recv, recv_pos, capacity_rows,
+                            out);
+        }
+    } else if (!kOneRank) {
         // A sender beside an early group, its rows out: it helps expand the rows that arrive, once
         // the metadata and the group's layout are visible to it.
         block_wait_flags(s_peer[rank], world, CH_TO_DEST, FLAG_META, epoch, status, TIMEOUT_TO_DEST_ARRIVAL,
@@ -973,6 +1108,14 @@ extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) dispatch(
                         roles.arrivals_first, roles.arrivals_last, tickets, recv, recv_pos, capacity_rows, out);
     }
     end_call(call, state, SLOT_DISPATCH_EXPAND, s_peer, rank, world, CH_TO_DEST, copy_stride);
+}
+
+extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) dispatch(DISPATCH_PARAMS) {
+    dispatch_call<false>(DISPATCH_ARGS);
+}
+
+extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) dispatch_one_rank(DISPATCH_PARAMS) {
+    dispatch_call<true>(DISPATCH_ARGS);
 }
 
 // Rows only, along an existing routing (send_mask [T, W], recv_pos [W, M, K]): the same channel,

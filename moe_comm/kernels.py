@@ -279,15 +279,19 @@ class DispatchKernels:
         grid_sms: int,
         toolchain: jit.Toolchain = jit.Toolchain(),
     ) -> None:
-        # The layout phase keeps per-warp counters of every local expert in shared memory.
-        self._shared = (protocol.DISPATCH_THREADS // 32 + 3) * num_local_experts * 4
+        # The layout phase keeps per-warp counters of every local expert in shared memory, and the
+        # one-rank kernel at decode sizes every block its own copy of the positions (csrc/dispatch.cu's
+        # LayoutShared).
+        positions = protocol.LAYOUT_ROWS_PER_BLOCK * regions.topk if args.world_size == 1 else 0
+        self._shared = ((protocol.DISPATCH_THREADS // 32 + 3) * num_local_experts + positions) * 4
         if self._shared > protocol.LAYOUT_SHARED_LIMIT:
             raise BackendError(
                 f"num_local_experts={num_local_experts} is too many for the dispatch kernel's shared memory "
                 f"({self._shared} B > {protocol.LAYOUT_SHARED_LIMIT} B); use more ranks or fewer experts"
             )
         load = lambda entry: driver.load_function(device, "dispatch", entry, defines, toolchain=toolchain)  # noqa: E731
-        self._dispatch = load("dispatch")
+        # One rank has a kernel of its own: nothing to send or wait for (csrc/dispatch.cu).
+        self._dispatch = load("dispatch" if args.world_size > 1 else "dispatch_one_rank")
         self._redispatch = load("redispatch")
         self._grid = grid_sms
         self._num_sms = min(num_sms, grid_sms)
@@ -392,7 +396,10 @@ class CombineKernels:
         toolchain: jit.Toolchain = jit.Toolchain(),
     ) -> None:
         load = lambda entry: driver.load_function(device, "combine", entry, defines, toolchain=toolchain)  # noqa: E731
-        self._combine = load("combine")
+        # One rank has a kernel of its own (no slab, nothing to wait for), on as many blocks as its
+        # units fill: it has no phase that waits for other blocks.
+        self._combine = load("combine" if args.world_size > 1 else "combine_one_rank")
+        self._one_rank_parts = _parts_per_row(regions.row_bytes, protocol.COMBINE_SEND_VPL) if args.world_size == 1 else 0
         self._values_send = load("values_send")
         self._values_recv = load("values_recv")
         self._topk = regions.topk
@@ -417,7 +424,11 @@ class CombineKernels:
             y.data_ptr(), routing.recv_pos, routing.recv_weight, 1 if weighted else 0, routing.send_mask,
             z.shape[0], z.data_ptr(),
         ))
-        self._combine.launch(self._grid, protocol.COMBINE_THREADS, params)
+        grid = self._grid
+        if self._one_rank_parts:
+            units = z.shape[0] * self._one_rank_parts
+            grid = max(1, min(grid, _cdiv(units, protocol.COMBINE_THREADS // 32)))
+        self._combine.launch(grid, protocol.COMBINE_THREADS, params)
 
     def values_send(self, row_vector: torch.Tensor, routing: RoutingAddresses) -> None:
         """Destination side: ``row_vector [capacity_rows]`` float32, read per entry, to each entry's source."""

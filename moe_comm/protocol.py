@@ -68,6 +68,7 @@ __all__ = [
     "DISPATCH_THREADS",
     "SEND_VPL",
     "COMBINE_THREADS",
+    "COMBINE_SEND_VPL",
     "VALUES_THREADS",
     "LAYOUT_ROWS_PER_BLOCK",
     "FP8_UNIT_VPL",
@@ -174,12 +175,14 @@ LAYOUT_SHARED_LIMIT = 200 * 1024
 
 # -------------------------------------------------------------------------------- block shapes
 
-# Threads per block of each kernel (their __launch_bounds__), and the send phase's 16-byte vectors
+# Threads per block of each kernel (their __launch_bounds__), and the send phases' 16-byte vectors
 # per lane per unit, which fix how many warps share a row (a mismatch with the grid the host picks
-# only changes how many blocks send, never a result).
+# only changes how many blocks send, never a result). Combine's: 16 loads in flight per lane with
+# top-8 (4 spills registers); the one-rank combine's grid is sized by it.
 DISPATCH_THREADS = 512
 SEND_VPL = 8
 COMBINE_THREADS = 512
+COMBINE_SEND_VPL = 2
 VALUES_THREADS = 512
 # Slab rows per layout block of dispatch: the host sizes the layout group for full slabs by it, and
 # each call ranks its rows on as many of those blocks as they fill.
@@ -222,10 +225,10 @@ _HEADER_GROUPS = (
       "SLOT_VALUES_SEND", "SLOT_VALUES_RECV", "SLOT_DISPATCH_META")),
     ("Limits",
      ("MAX_WORLD", "MAX_TOPK", "META_WORD_MULTIPLE", "REGION_ALIGN", "LAYOUT_SHARED_LIMIT")),
-    ("Block shapes: threads per block, the send phase's vectors per lane per unit, slab rows per layout block, "
+    ("Block shapes: threads per block, the send phases' vectors per lane per unit, slab rows per layout block, "
      "e4m3 vectors per lane per unit of quantized rows, the most tokens whose own rows FP8 dispatch packs first",
-     ("DISPATCH_THREADS", "SEND_VPL", "COMBINE_THREADS", "VALUES_THREADS", "LAYOUT_ROWS_PER_BLOCK", "FP8_UNIT_VPL",
-      "FP8_PACK_OWN_MAX_TOKENS")),
+     ("DISPATCH_THREADS", "SEND_VPL", "COMBINE_THREADS", "COMBINE_SEND_VPL", "VALUES_THREADS", "LAYOUT_ROWS_PER_BLOCK",
+      "FP8_UNIT_VPL", "FP8_PACK_OWN_MAX_TOKENS")),
 )
 
 # The C spelling of meta_words(TOPK): TOPK is a compile-time define of every kernel build.

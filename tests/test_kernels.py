@@ -29,10 +29,15 @@ _CUDA_INTEGER_SIZES = {"int": 4, "i32": 4, "u32": 4, "i64": 8, "u64": 8}
 
 
 def _parameters(source: str, entry: str) -> list[str]:
-    """The declarations of the parameters of ``extern "C"`` kernel ``entry`` in ``source``."""
+    """The declarations of the parameters of ``extern "C"`` kernel ``entry`` in ``source`` (a list
+    given as one macro, as the dispatch kernels share theirs, is the macro's body)."""
     match = re.search(r'extern "C" __global__ void (?:__launch_bounds__\(\w+\) )?' + entry + r"\(([^)]*)\)", source)
     assert match, f"no extern \"C\" kernel {entry}"
-    return match.group(1).split(",")
+    declared = match.group(1).strip()
+    macro = re.search(r"#define " + re.escape(declared) + r"\b((?:[^\n]*\\\n)*[^\n]*)", source)
+    if macro:
+        declared = macro.group(1).replace("\\\n", " ")
+    return declared.split(",")
 
 
 def _signature(source: str, entry: str) -> list[tuple[str, int]]:
@@ -57,12 +62,13 @@ class _Recorder:
     """Stands in for a loaded kernel: records the parameter types of every launch."""
 
     def __init__(self, name: str, entry: str):
-        self.name, self.entry, self.launches, self.grids, self.values = name, entry, [], [], []
+        self.name, self.entry, self.launches, self.grids, self.values, self.shared = name, entry, [], [], [], []
 
     def launch(self, grid, block, args, shared_bytes=0, stream=None):
         params = args if isinstance(args, KernelParams) else kernel_params(args)
         self.launches.append([_CTYPE_KINDS[t] for t in params.types])
         self.grids.append(grid)
+        self.shared.append(shared_bytes)
         self.values.append(params.values())
 
 
@@ -107,13 +113,15 @@ def _launch_every_kernel(monkeypatch, num_sms: int, grid_sms: int, tokens: int, 
     return recorders
 
 
-def test_launchers_pass_the_parameters_the_kernels_declare(monkeypatch):
-    recorders = _launch_every_kernel(monkeypatch, num_sms=4, grid_sms=8, tokens=5)
+@pytest.mark.parametrize("world, suffix", [(WORLD, ""), (1, "_one_rank")])
+def test_launchers_pass_the_parameters_the_kernels_declare(monkeypatch, world, suffix):
+    # One rank runs dispatch and combine kernels of its own (nothing to send or wait for).
+    recorders = _launch_every_kernel(monkeypatch, num_sms=4, grid_sms=8, tokens=5, world=world)
     sources = {name: asset_dir("csrc").joinpath(f"{name}.cu").read_text()
                for name in ("dispatch", "combine")}
     launched = {key: recorder.launches for key, recorder in recorders.items() if recorder.launches}
-    assert sorted(launched) == [("combine", "combine"), ("combine", "values_recv"), ("combine", "values_send"),
-                                ("dispatch", "dispatch"), ("dispatch", "redispatch")]
+    assert sorted(launched) == [("combine", "combine" + suffix), ("combine", "values_recv"), ("combine", "values_send"),
+                                ("dispatch", "dispatch" + suffix), ("dispatch", "redispatch")]
     for (name, entry), launches in launched.items():
         assert launches == [_signature(sources[name], entry)], f"{name}.{entry}: launch parameters differ from csrc"
 
@@ -137,8 +145,28 @@ def test_world_one_dispatch_holds_no_block_back_to_send(monkeypatch):
         recorders = _launch_every_kernel(monkeypatch, num_sms=4, grid_sms=8, tokens=MAX_TOKENS, world=world)
         return recorders[("dispatch", entry)].values[0][_parameter_index("dispatch", entry, "num_senders")]
 
-    assert senders(1, "dispatch") == 0 and senders(1, "redispatch") == 1
+    assert senders(1, "dispatch_one_rank") == 0 and senders(1, "redispatch") == 1
     assert senders(WORLD, "dispatch") >= 1 and senders(WORLD, "redispatch") >= 1
+
+
+def test_one_rank_kernels_get_their_grid_and_shared_memory(monkeypatch):
+    # combine_one_rank has no phase that waits for other blocks: it runs on the blocks its units
+    # (one warp per token and COMBINE_SEND_VPL vectors a lane) fill, at most the grid; several ranks'
+    # combine on the whole grid. dispatch_one_rank's blocks keep their own copy of the layout's
+    # positions at decode sizes: LAYOUT_ROWS_PER_BLOCK x K int32 more shared memory.
+    lanes = 32 * protocol.COMBINE_SEND_VPL
+    units_per_row = -(-HIDDEN * 2 // 16 // lanes)
+    warps = protocol.COMBINE_THREADS // 32
+    for tokens, grid in ((1, 1), (40, -(-40 * units_per_row // warps)), (1000, 8)):
+        recorders = _launch_every_kernel(monkeypatch, num_sms=4, grid_sms=8, tokens=tokens, world=1)
+        assert recorders[("combine", "combine_one_rank")].grids == [grid], tokens
+    assert _launch_every_kernel(monkeypatch, num_sms=4, grid_sms=8, tokens=1)[("combine", "combine")].grids == [8]
+
+    counters = (protocol.DISPATCH_THREADS // 32 + 3) * 4  # int32 per local expert
+    one = _launch_every_kernel(monkeypatch, num_sms=4, grid_sms=8, tokens=5, world=1)[("dispatch", "dispatch_one_rank")]
+    several = _launch_every_kernel(monkeypatch, num_sms=4, grid_sms=8, tokens=5)[("dispatch", "dispatch")]
+    assert several.shared == [counters * (EXPERTS // WORLD)]
+    assert one.shared == [counters * EXPERTS + protocol.LAYOUT_ROWS_PER_BLOCK * TOPK * 4]
 
 
 def test_fp8_launchers_pass_the_parameters_fp8_cu_declares(monkeypatch):
