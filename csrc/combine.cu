@@ -239,12 +239,15 @@ __device__ __forceinline__ void combine_own_tokens(const void* y, int capacity_r
 
 // --------------------------------------------------------------------------------- combine
 
+// The parameters of both combine kernels (below).
+#define COMBINE_PARAMS                                                                                        \
+    const i64* __restrict__ peers, int rank, int world, int max_tokens_per_rank, u64* state, i64* status,    \
+    i64 timeout_ns, i64 off_ret_x, i64 copy_stride, i64 off_stage_x, int capacity_rows,                      \
+    const void* __restrict__ y, const i32* __restrict__ recv_pos, const float* __restrict__ recv_weight,     \
+    int weighted, const u8* __restrict__ send_mask, int num_tokens, void* __restrict__ z
+
 // One block per SM (gridDim.x <= SMs: blocks wait for the arrival the last of them signals).
-extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) combine(
-    const i64* __restrict__ peers, int rank, int world, int max_tokens_per_rank, u64* state, i64* status, i64 timeout_ns,
-    i64 off_ret_x, i64 copy_stride, i64 off_stage_x, int capacity_rows,
-    const void* __restrict__ y, const i32* __restrict__ recv_pos, const float* __restrict__ recv_weight, int weighted,
-    const u8* __restrict__ send_mask, int num_tokens, void* __restrict__ z) {
+extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) combine(COMBINE_PARAMS) {
     __shared__ i64 s_peer[MAX_WORLD];
     __shared__ RowBatch batch;
     const Call call = begin_call(s_peer, peers, world, state, CH_TO_SOURCE, true, SLOT_COMBINE_RECV, copy_stride);
@@ -262,12 +265,8 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) combine(
 }
 
 // World 1: combine's result without the slab (combine_own_tokens), as a kernel of its own, so
-// the multi-rank kernel's registers stay its own. The same parameters as combine.
-extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) combine_one_rank(
-    const i64* __restrict__ peers, int rank, int world, int max_tokens_per_rank, u64* state, i64* status, i64 timeout_ns,
-    i64 off_ret_x, i64 copy_stride, i64 off_stage_x, int capacity_rows,
-    const void* __restrict__ y, const i32* __restrict__ recv_pos, const float* __restrict__ recv_weight, int weighted,
-    const u8* __restrict__ send_mask, int num_tokens, void* __restrict__ z) {
+// the multi-rank kernel's registers stay its own.
+extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) combine_one_rank(COMBINE_PARAMS) {
     __shared__ i64 s_peer[MAX_WORLD];
     const Call call = begin_call(s_peer, peers, world, state, CH_TO_SOURCE, true, SLOT_COMBINE_RECV, copy_stride);
     combine_own_tokens(y, capacity_rows, recv_pos, recv_weight, weighted, num_tokens, z);
