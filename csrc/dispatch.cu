@@ -541,10 +541,10 @@ __device__ __forceinline__ LayoutShared layout_shared(i32* smem, int num_local_e
     return shared;
 }
 
-// Which part of the layout a block does. Past decode sizes the layout blocks split the rows, each
-// writing its part of the outputs. At decode sizes (the carried rows fit one layout block) every
-// block of the group lays out all of them for itself, keeping the positions in shared memory, so
-// no barrier stands between the layout and the copies; one block (`writes`) writes the outputs.
+// Which part of the layout a block does. The layout blocks split the rows, each writing its part of
+// the outputs; with one rank at decode sizes (its rows fit one layout block) every block of the
+// group lays out all of them for itself instead, keeping the positions in shared memory, so no
+// barrier stands between the layout and the copies; one block (`writes`) writes the outputs.
 struct LayoutScope {
     int block, blocks;              // this block among those that rank the rows
     int clear_block, clear_blocks;  // this block among those that clear the empty slab rows
@@ -1028,10 +1028,10 @@ __device__ __forceinline__ void dispatch_call(DISPATCH_PARAMS) {
         // expansion reads them; it quantizes the rest from x.
         int packed_own = 0;
 #if FP8_ROWS
-        // Own rows packed while the metadata travels, on the blocks that do not lay out (all of the
-        // group when every one does); the barrier below orders them before the own expansion (a
-        // replicated layout has none: it packs nothing). With puts the senders stage rows in the
-        // same slab rows: the same bytes.
+        // Own rows packed while the metadata travels and the layout runs, on the blocks that do not
+        // lay out (all of the group when every one does); the barrier below orders them before the
+        // own expansion (a replicated layout has none: it packs nothing). With puts the senders
+        // stage rows in the same slab rows: the same bytes.
         if (quantize && !replicated) {
             packed_own = min(num_tokens, FP8_PACK_OWN_MAX_TOKENS);
             const int packers_end = layout_first > early ? layout_first : grid;
