@@ -243,14 +243,14 @@ class CommArgs:
 
 
 class DispatchKernels:
-    """Launchers of ``csrc/dispatch.cu`` for one backend (loads every entry point now).
+    """Launchers of ``csrc/dispatch.cu`` for one backend (loads the entry points it runs now).
 
     Both kernels run one block per SM of their budget (their blocks wait for each other, so all
     must be resident at once; 512 threads of up to 128 registers fill an SM, so the grid's blocks
     land on as many SMs and the others stay free); the first ``num_sms`` blocks push rows to peers
     while the others lay out and expand what has landed (every block does both when ``num_sms``
-    covers the budget; at world 1, where no row leaves the rank, none sends and every block lays out
-    and expands).
+    covers the budget). At world 1, where no row leaves the rank, dispatch is ``dispatch_one_rank``:
+    none sends, and every block lays out and expands.
 
     Args:
         device: the CUDA device (with an index). defines: :func:`kernel_defines`.
@@ -371,7 +371,8 @@ class DispatchKernels:
 
 
 class CombineKernels:
-    """Launchers of ``csrc/combine.cu`` for one backend (loads every entry point now).
+    """Launchers of ``csrc/combine.cu`` for one backend (loads the entry points it runs now; at world 1
+    combine is ``combine_one_rank``, which writes the result without the slab).
 
     Args:
         device, defines, args, regions: as for :class:`DispatchKernels`.
