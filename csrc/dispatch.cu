@@ -1049,23 +1049,17 @@ __device__ __forceinline__ void dispatch_call(DISPATCH_PARAMS) {
             block_wait_flags(s_peer[rank], world, CH_TO_DEST, FLAG_META, epoch, status, TIMEOUT_TO_DEST_ARRIVAL,
                              timeout_ns);
         }
-        if (replicated) {
+        if (replicated || block >= layout_first) {
+            const int b = block - layout_first;
+            const LayoutScope scope = replicated
+                ? LayoutScope{0, 1, block - early, grid - early, block == grid - 1, true}
+                : LayoutScope{b, layout_blocks, b, layout_blocks, true, false};
             load_slab_tokens(s_tokens, s_begin, entries, s_peer[rank], world, max_tokens_per_rank, epoch);
             layout_entries(shared, entries, s_tokens, s_begin, rank, world, max_tokens_per_rank, epoch, status, timeout_ns,
-                           num_local_experts, alignment, capacity,
-                           LayoutScope{0, 1, block - early, grid - early, block == grid - 1, true}, recv_pos, recv_weight,
-                           expert_offsets, tokens_per_expert, block_counts, barrier_flags);
-        } else {
-            if (block >= layout_first) {
-                const int b = block - layout_first;
-                load_slab_tokens(s_tokens, s_begin, entries, s_peer[rank], world, max_tokens_per_rank, epoch);
-                layout_entries(shared, entries, s_tokens, s_begin, rank, world, max_tokens_per_rank, epoch, status,
-                               timeout_ns, num_local_experts, alignment, capacity,
-                               LayoutScope{b, layout_blocks, b, layout_blocks, true, false}, recv_pos, recv_weight,
-                               expert_offsets, tokens_per_expert, block_counts, barrier_flags);
-            }
-            blocks_barrier(barrier_flags + grid, block, early, grid, epoch, status, rank, timeout_ns);
+                           num_local_experts, alignment, capacity, scope, recv_pos, recv_weight, expert_offsets,
+                           tokens_per_expert, block_counts, barrier_flags);
         }
+        if (!replicated) blocks_barrier(barrier_flags + grid, block, early, grid, epoch, status, rank, timeout_ns);
         const ExpandRoles roles = expand_roles(early, grid, world, num_tokens, max_tokens_per_rank);
         const int own_last = roles.split ? roles.own_end : grid;
         if (replicated || roles.split) {
