@@ -11,8 +11,8 @@
 // back. Memory: the two copies of recv_x are 2 * W * M * row bytes of every rank's allocation
 // (2 x 470 MB at W = 8, M = 4096, H = 7168 bf16); moe-comm info --config gives the total.
 //
-// One kernel per call, `dispatch` (`dispatch_one_rank` at world 1, below), on one block per SM (its blocks wait for each other, so all of
-// them must be resident at once). Blocks [0, num_senders) send (num_senders: the SM budget of
+// One kernel per call, `dispatch` (`dispatch_one_rank` at world 1, below), on one block per SM (its
+// blocks wait for each other, so all of them must be resident at once). Blocks [0, num_senders) send (num_senders: the SM budget of
 // pushing rows; 0 at world 1, where no row leaves the rank); the blocks after them, when there are
 // any, form the "early group", which lays out and expands what it can while the rows are still in
 // flight. Phases, on rank R:
@@ -207,12 +207,16 @@ struct TokenRoute {
     u64 dest_set;
 };
 
-// Lane k < TOPK: topk_idx[t, k] (int32 or int64); other lanes: -1.
+// Element i of topk_idx (int32 or int64, idx_is_64).
+__device__ __forceinline__ i64 expert_id_at(const void* topk_idx, int idx_is_64, i64 i) {
+    return idx_is_64 ? static_cast<const i64*>(topk_idx)[i] : static_cast<i64>(static_cast<const i32*>(topk_idx)[i]);
+}
+
+// Lane k < TOPK: topk_idx[t, k]; other lanes: -1.
 __device__ __forceinline__ i64 load_expert_id(const void* topk_idx, int idx_is_64, int t) {
     const int lane = threadIdx.x & 31;
     if (lane >= TOPK) return -1;
-    const i64 i = static_cast<i64>(t) * TOPK + lane;
-    return idx_is_64 ? static_cast<const i64*>(topk_idx)[i] : static_cast<i64>(static_cast<const i32*>(topk_idx)[i]);
+    return expert_id_at(topk_idx, idx_is_64, static_cast<i64>(t) * TOPK + lane);
 }
 
 // Warp-wide: the route of a token from every lane's load_expert_id.
@@ -367,8 +371,7 @@ struct EntrySource {
     __device__ __forceinline__ int local_expert(i64 g, int k, int num_local_experts) const {
         i64 j;
         if (kRouting) {
-            const i64 i = g * TOPK + k;
-            j = idx_is_64 ? static_cast<const i64*>(topk_idx)[i] : static_cast<i64>(static_cast<const i32*>(topk_idx)[i]);
+            j = expert_id_at(topk_idx, idx_is_64, g * TOPK + k);
         } else {
             j = static_cast<i32>(meta[g * META_WORDS + k]);
         }
@@ -676,6 +679,17 @@ __device__ __forceinline__ BatchShape slab_rows(SlabRows set, int rank, int worl
     return batch_shape(world * m, blocks);
 }
 
+// Warp-wide: store(row) for the out_x row of each kept entry, k increasing (lane k < TOPK holds
+// entry k's position in `pos`; kept: in [0, capacity_rows); pos_at(k): entry k's position, for a
+// kept k, warp-uniform). `lane` is the caller's lane.
+template <typename PosAt, typename Store>
+__device__ __forceinline__ void for_each_kept_row(int lane, int pos, PosAt pos_at, int capacity_rows, u8* out,
+                                                  Store store) {
+    for (u32 m = __ballot_sync(FULL_MASK, lane < TOPK && pos >= 0 && pos < capacity_rows); m != 0u; m &= m - 1u) {
+        store(out + static_cast<i64>(pos_at(__ffs(static_cast<int>(m)) - 1)) * ROW_BYTES);
+    }
+}
+
 // Warp-wide: unit `chunk` of slab row g to the out_x rows of its kept entries (lane k < TOPK holds
 // entry k's recv_pos in `pos`; kept: in [0, capacity_rows)). Rows t >= packed_own of this rank's
 // own slab come from x [num_tokens, H] (they are never sent; with quantize_own DTYPE rows,
@@ -699,10 +713,8 @@ __device__ __forceinline__ void copy_row_unit(i64 g, int chunk, int pos, PosAt p
     if (from_x && quantize_own) {
         float scales[EXPAND_VPL];
         quantize_unit<EXPAND_VPL>(x + t * SOURCE_ROW_BYTES, vals, scales, v0);
-        for (u32 m = __ballot_sync(FULL_MASK, lane < TOPK && pos >= 0 && pos < capacity_rows); m != 0u; m &= m - 1u) {
-            store_fp8_unit<EXPAND_VPL>(out + static_cast<i64>(pos_at(__ffs(static_cast<int>(m)) - 1)) * ROW_BYTES, vals,
-                                       scales, v0);
-        }
+        for_each_kept_row(lane, pos, pos_at, capacity_rows, out,
+                          [&](u8* row) { store_fp8_unit<EXPAND_VPL>(row, vals, scales, v0); });
         return;
     }
 #else
@@ -713,9 +725,7 @@ __device__ __forceinline__ void copy_row_unit(i64 g, int chunk, int pos, PosAt p
     } else {
         load_unit<EXPAND_VPL, kWrittenHere>(recv + g * ROW_BYTES, vals, v0);
     }
-    for (u32 m = __ballot_sync(FULL_MASK, lane < TOPK && pos >= 0 && pos < capacity_rows); m != 0u; m &= m - 1u) {
-        store_unit<EXPAND_VPL>(out + static_cast<i64>(pos_at(__ffs(static_cast<int>(m)) - 1)) * ROW_BYTES, vals, v0);
-    }
+    for_each_kept_row(lane, pos, pos_at, capacity_rows, out, [&](u8* row) { store_unit<EXPAND_VPL>(row, vals, v0); });
 }
 
 // Block-wide: copy_row_unit for every unit of the listed rows of `batch` (slab rows batch.row[...]).
