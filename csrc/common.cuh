@@ -176,6 +176,13 @@ __device__ __forceinline__ Vec16 ld16(const void* p) { return *reinterpret_cast<
 // A store to local or peer memory (over NVLink when the address maps a peer's allocation).
 __device__ __forceinline__ void st16(void* p, const Vec16& v) { *reinterpret_cast<Vec16*>(p) = v; }
 
+// A store of bytes that nothing in this step reads back soon (dispatch's zero padding): evict-first
+// in L2 (st.global.cs), so they leave before the rows the next kernel reads.
+__device__ __forceinline__ void st16_evict_first(void* p, const Vec16& v) {
+    asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};"
+                 :: "l"(p), "r"(v.w[0]), "r"(v.w[1]), "r"(v.w[2]), "r"(v.w[3]) : "memory");
+}
+
 __device__ __forceinline__ Vec16 zero16() {
     Vec16 v;
     v.w[0] = v.w[1] = v.w[2] = v.w[3] = 0u;
@@ -459,14 +466,26 @@ __device__ __forceinline__ void load_unit(const u8* src, Vec16 (&vals)[VPL], int
     }
 }
 
+// How a row store treats L2: rows that are read back (by this kernel, the experts, combine) stay
+// as any store leaves them; rows that no kernel of the step reads soon go evict-first.
+constexpr bool kReadSoon = false;
+constexpr bool kEvictFirst = true;
+
 // One unit of a row: lane `lane` holds vectors v0 + 32 u (u < VPL) of the row in `vals`; they are
 // stored at the same vector indices of `dst` (local memory, or a peer's over NVLink).
-template <int VPL>
+template <int VPL, bool EVICT = kReadSoon>
 __device__ __forceinline__ void store_unit(u8* dst, const Vec16 (&vals)[VPL], int v0) {
 #pragma unroll
     for (int u = 0; u < VPL; ++u) {
         const int v = v0 + 32 * u;
-        if (v < ROW_VECS) st16(dst + static_cast<i64>(v) * 16, vals[u]);
+        if (v < ROW_VECS) {
+            u8* p = dst + static_cast<i64>(v) * 16;
+            if (EVICT == kEvictFirst) {
+                st16_evict_first(p, vals[u]);
+            } else {
+                st16(p, vals[u]);
+            }
+        }
     }
 }
 

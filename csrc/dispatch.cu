@@ -45,7 +45,8 @@
 //     moe_comm.routing.plan_destination.
 //   own expansion (the same group, after a barrier of it): copies each of R's own rows (from x)
 //     to the out_x row of each of its kept entries and zeroes every segment's padding rows
-//     [start_j + n_j, end_j) (rows at or past expert_offsets[-1] are not touched).
+//     [start_j + n_j, end_j) (rows at or past expert_offsets[-1] are not touched), evict-first in
+//     L2 (nothing reads them before the experts; the rows combine reads next stay).
 //   arrivals (the same group, and the senders once their rows are out): the same copy for the rows
 //     the other ranks send, chunk by chunk as chunk_c[0][s] >= e says they have landed, so the
 //     expansion trails the transfer. Past one batch per block of the arrival group, batches go by
@@ -60,7 +61,10 @@
 // dest_rank and the status word only), and the layout reads topk_idx and topk_weights themselves,
 // so it starts at once. When the T rows fit one layout block (decode sizes) every block lays them
 // all out for itself, keeping the positions in shared memory, and copies its part of the own rows
-// and padding with no barrier; one block writes the outputs (LayoutScope).
+// and padding with no barrier; one block writes the outputs (LayoutScope). The padding blocks stop
+// the layout at the segments (no positions), and their batches past one per block go by ticket
+// (the arrivals' words, unused at one rank), to them and to the own-row blocks once their rows are
+// out.
 // FP8 dispatch runs a build with FP8_ROWS (common.cuh): slabs and out_x hold packed FP8 rows, and
 // with `quantize` the send and own-expansion phases build them from config-dtype x as they go
 // ("FP8 rows from DTYPE rows" below); without it x holds packed rows, copied like any rows.
@@ -84,6 +88,7 @@
 #define EXPAND_VPL 4        // small units: decode sizes have few rows to spread over the SMs
 #define LAYOUT_BATCH 8      // tiles whose metadata a warp loads before it ranks them
 #define ROLE_COPIES_PER_WARP 8  // row unit copies a warp makes at decode sizes (expand_roles)
+#define PAD_BATCH_UNITS 2       // padding row units a warp zeroes per batch (zero_padding)
 
 // ------------------------------------------------------------------ FP8 rows from DTYPE rows
 #if FP8_ROWS
@@ -552,7 +557,8 @@ struct LayoutScope {
     int block, blocks;              // this block among those that rank the rows
     int clear_block, clear_blocks;  // this block among those that clear the empty slab rows
     bool writes;                    // writes recv_pos, recv_weight, the segments, and reports drops
-    bool keeps_positions;           // fills LayoutShared::positions (the whole layout is this block's)
+    bool keeps_positions;           // fills LayoutShared::positions (the whole layout is this block's);
+                                    // a block that neither keeps nor writes them stops at the segments
 };
 
 // Block-wide, after every source's metadata was acquired (or at world 1 at once): the layout (see
@@ -621,10 +627,11 @@ __device__ __forceinline__ void layout_entries(const LayoutShared& shared, const
         }
     });
 
-    // Pass 2: ranks, positions, weights.
+    // Pass 2: ranks, positions, weights (none for a block that neither keeps nor writes them).
     i64 num_dropped = 0;
     i64 first_dropped = NO_OFFENDER;
-    for (i64 tile0 = tile_begin; tile0 < tile_end; tile0 += LAYOUT_BATCH) {
+    const i64 ranked_end = scope.keeps_positions || scope.writes ? tile_end : tile_begin;
+    for (i64 tile0 = tile_begin; tile0 < ranked_end; tile0 += LAYOUT_BATCH) {
         if (!one_batch) {
             load_tile_batch(entries, src, s_begin, world, max_tokens_per_rank, num_local_experts, tile0, tile_end, total_rows, true);
         }
@@ -889,30 +896,64 @@ __device__ __forceinline__ void layout_segments(i32* s_end, i32* s_kept, i32* s_
     });
 }
 
-// Block-wide, blocks [first_block, gridDim.x): zero the padding rows [start_j + n_j, end_j) of
-// every segment (from load_segments), one warp per (padding row, row chunk).
-__device__ __forceinline__ void zero_padding(const i32* s_end, const i32* s_kept, const i32* s_pad, int num_local_experts,
-                                             int capacity_rows, int first_block, u8* out) {
+// Block-wide: zero the padding rows [start_j + n_j, end_j) of every segment (s_end, s_pad from
+// segments()), in batches of up to PAD_BATCH_UNITS row units a warp. The zeros go evict-first:
+// nothing reads them before the experts, and the rows that combine reads next then stay in L2
+// (one H200, one rank, T=128: a graph of dispatch and combine 35.2-36.3 -> 31.5-31.7 us). The group, blocks
+// [first_block, gridDim.x), takes one batch per block first; with `tickets` (zero at the call's
+// start) the batches past those go by ticket, to the group and to every other block that calls
+// this once its own work is done, so blocks that come late take fewer; without, each block of the
+// group takes every group-th batch.
+__device__ __forceinline__ void zero_padding(const i32* s_end, const i32* s_pad, int num_local_experts, int capacity_rows,
+                                             int first_block, u64* tickets, u8* out) {
     typedef RowParts<EXPAND_VPL> Chunks;
+    __shared__ i64 s_next;  // the block's next batch
     const int lane = threadIdx.x & 31;
     const int warps = blockDim.x >> 5;
     const i64 pad_units = static_cast<i64>(s_pad[num_local_experts - 1]) * Chunks::kPerRow;
+    const int group = gridDim.x - first_block;
+    // Fewer units a warp when they fill the group's blocks in one batch each (T=1: one unit a warp
+    // on as many blocks as it takes; four a warp on 14 blocks cost ~1.6 us of per-SM store rate).
+    const i64 spread = (pad_units + static_cast<i64>(group) * warps - 1) / (static_cast<i64>(group) * warps);
+    const i64 per_batch = static_cast<i64>(warps) * imin64(spread > 1 ? spread : 1, PAD_BATCH_UNITS);
+    const i64 batches = (pad_units + per_batch - 1) / per_batch;
+    const bool in_group = static_cast<int>(blockIdx.x) >= first_block;
+    const bool ticketed = tickets != nullptr && batches > group;
+    if (!in_group && !ticketed) return;
     Vec16 zeros[EXPAND_VPL];
 #pragma unroll
     for (int u = 0; u < EXPAND_VPL; ++u) zeros[u] = zero16();
-    for (i64 unit = static_cast<i64>(blockIdx.x - first_block) * warps + (threadIdx.x >> 5); unit < pad_units;
-         unit += static_cast<i64>(gridDim.x - first_block) * warps) {
-        const int p = static_cast<int>(unit / Chunks::kPerRow);
-        const int chunk = static_cast<int>(unit - static_cast<i64>(p) * Chunks::kPerRow);
-        int lo = 0, hi = num_local_experts - 1;  // the first expert j with s_pad[j] > p
-        while (lo < hi) {
-            const int mid = (lo + hi) >> 1;
-            if (s_pad[mid] > p) hi = mid;
-            else lo = mid + 1;
+    if (!in_group) {
+        if (threadIdx.x == 0) s_next = group + static_cast<i64>(atomicAdd(tickets, 1ull));
+        __syncthreads();
+    }
+    for (i64 q = in_group ? blockIdx.x - first_block : s_next; q < batches;) {
+        // The next batch's ticket, drawn now: its round trip hides behind this batch.
+        i64 next = q + group;
+        if (ticketed) next = threadIdx.x == 0 ? group + static_cast<i64>(atomicAdd(tickets, 1ull)) : batches;
+        const i64 end = imin64((q + 1) * per_batch, pad_units);
+        for (i64 unit = q * per_batch + (threadIdx.x >> 5); unit < end; unit += warps) {
+            const int p = static_cast<int>(unit / Chunks::kPerRow);
+            const int chunk = static_cast<int>(unit - static_cast<i64>(p) * Chunks::kPerRow);
+            int lo = 0, hi = num_local_experts - 1;  // the first expert j with s_pad[j] > p
+            while (lo < hi) {
+                const int mid = (lo + hi) >> 1;
+                if (s_pad[mid] > p) hi = mid;
+                else lo = mid + 1;
+            }
+            const int row = s_end[lo] - (s_pad[lo] - p);
+            if (row < capacity_rows) {
+                store_unit<EXPAND_VPL, kEvictFirst>(out + static_cast<i64>(row) * ROW_BYTES, zeros,
+                                                    chunk * Chunks::kVecs + lane);
+            }
         }
-        const int row = s_end[lo] - (s_pad[lo] - p);
-        if (row >= capacity_rows) continue;
-        store_unit<EXPAND_VPL>(out + static_cast<i64>(row) * ROW_BYTES, zeros, chunk * Chunks::kVecs + lane);
+        if (ticketed) {
+            __syncthreads();  // every thread has read this batch's s_next
+            if (threadIdx.x == 0) s_next = next;
+            __syncthreads();
+            next = s_next;
+        }
+        q = next;
     }
 }
 
@@ -953,6 +994,17 @@ __device__ __forceinline__ ExpandRoles expand_roles(int early, int grid, int wor
         roles.arrivals_last = roles.pad_first = roles.own_end + arrivals;
     }
     return roles;
+}
+
+// A replicated layout's own-row blocks (one rank, decode sizes), their rows out: whether they join
+// the padding. They do when it may be more than one batch per padding block (zero_padding's
+// tickets; its rows are at most the segments' end, from this block's own layout); at T=1 it is
+// not, and they end without building the segments.
+__device__ __forceinline__ bool own_blocks_join_padding(const LayoutShared& shared, int num_local_experts, int alignment,
+                                                        int capacity, int pad_blocks) {
+    const int last = num_local_experts - 1;
+    const i64 rows = shared.start[last] + (min(shared.total[last], capacity) + alignment - 1) / alignment * alignment;
+    return rows * RowParts<EXPAND_VPL>::kPerRow > static_cast<i64>(pad_blocks) * (blockDim.x >> 5) * PAD_BATCH_UNITS;
 }
 
 // ---------------------------------------------------------------------------------- kernels
@@ -1034,6 +1086,7 @@ __device__ __forceinline__ void dispatch_call(DISPATCH_PARAMS) {
         // With one rank, rows that fit one layout block are laid out by every block for itself:
         // no barrier (LayoutScope).
         const bool replicated = kOneRank && num_tokens <= LAYOUT_ROWS_PER_BLOCK;
+        const ExpandRoles roles = expand_roles(early, grid, world, num_tokens, max_tokens_per_rank);
         // FP8: this rank's rows t < packed_own were packed into its own slab, where the own
         // expansion reads them; it quantizes the rest from x.
         int packed_own = 0;
@@ -1060,9 +1113,11 @@ __device__ __forceinline__ void dispatch_call(DISPATCH_PARAMS) {
                              timeout_ns);
         }
         if (replicated || block >= layout_first) {
+            // A replicated layout's padding blocks need only its segments: they skip the positions.
             const int b = block - layout_first;
+            const bool copies_own = !roles.split || block < roles.own_end;
             const LayoutScope scope = replicated
-                ? LayoutScope{0, 1, block - early, grid - early, block == grid - 1, true}
+                ? LayoutScope{0, 1, block - early, grid - early, block == grid - 1, copies_own}
                 : LayoutScope{b, layout_blocks, b, layout_blocks, true, false};
             load_slab_tokens(s_tokens, s_begin, entries, s_peer[rank], world, max_tokens_per_rank, epoch);
             layout_entries(shared, entries, s_tokens, s_begin, rank, world, max_tokens_per_rank, epoch, status, timeout_ns,
@@ -1070,7 +1125,6 @@ __device__ __forceinline__ void dispatch_call(DISPATCH_PARAMS) {
                            tokens_per_expert, block_counts, barrier_flags);
         }
         if (!replicated) blocks_barrier(barrier_flags + grid, block, early, grid, epoch, status, rank, timeout_ns);
-        const ExpandRoles roles = expand_roles(early, grid, world, num_tokens, max_tokens_per_rank);
         const int own_last = roles.split ? roles.own_end : grid;
         if (replicated || roles.split) {
             if (block < own_last) {
@@ -1083,7 +1137,9 @@ __device__ __forceinline__ void dispatch_call(DISPATCH_PARAMS) {
                         static_cast<const u8*>(x), quantize != 0, packed_own, num_tokens, rank, max_tokens_per_rank,
                         recv_pos, capacity_rows, out);
         }
-        if (block >= roles.pad_first) {
+        // One rank: the own-row blocks of a split join the padding by ticket once their rows are out.
+        if (block >= roles.pad_first ||
+            (replicated && own_blocks_join_padding(shared, num_local_experts, alignment, capacity, grid - roles.pad_first))) {
             // In the batched path the segments come only after the own rows: their loads would delay
             // the first row copies.
             i32* s_end = smem;
@@ -1094,7 +1150,8 @@ __device__ __forceinline__ void dispatch_call(DISPATCH_PARAMS) {
             } else {
                 load_segments(s_end, s_kept, s_pad, expert_offsets, tokens_per_expert, num_local_experts);
             }
-            zero_padding(s_end, s_kept, s_pad, num_local_experts, capacity_rows, roles.pad_first, out);
+            zero_padding(s_end, s_pad, num_local_experts, capacity_rows, roles.pad_first, kOneRank ? tickets : nullptr,
+                         out);
         }
         if (!kOneRank) {
             expand_arrivals(batch, s_peer[rank], rank, world, max_tokens_per_rank, chunk_tokens, epoch, status,
