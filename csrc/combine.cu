@@ -116,7 +116,7 @@ __device__ __forceinline__ void send_partials(RowBatch& batch, const i64* s_peer
             const int r = batch.list[unit / Chunks::kPerRow];
             const int chunk = unit - (unit / Chunks::kPerRow) * Chunks::kPerRow;
             const int pos = lane < TOPK ? batch.pos[r * TOPK + lane] : -1;
-            const u32 kept = __ballot_sync(FULL_MASK, lane < TOPK && pos >= 0 && pos < capacity_rows);
+            const u32 kept = kept_entries(lane, pos, capacity_rows);
             const int v0 = chunk * Chunks::kVecs + lane;
             float acc[COMBINE_SEND_VPL][ELEMS_PER_VEC];
             zero_acc<COMBINE_SEND_VPL>(acc);
@@ -220,7 +220,7 @@ __device__ __forceinline__ void combine_own_tokens(const void* y, int capacity_r
         const int chunk = static_cast<int>(unit - t * Chunks::kPerRow);
         const int pos = lane < TOPK ? recv_pos[t * TOPK + lane] : -1;
         const float w = lane < TOPK && weighted ? recv_weight[t * TOPK + lane] : 1.0f;
-        const u32 kept = __ballot_sync(FULL_MASK, lane < TOPK && pos >= 0 && pos < capacity_rows);
+        const u32 kept = kept_entries(lane, pos, capacity_rows);
         const int v0 = chunk * Chunks::kVecs + lane;
         float acc[COMBINE_SEND_VPL][ELEMS_PER_VEC];
         zero_acc<COMBINE_SEND_VPL>(acc);

@@ -665,6 +665,12 @@ __device__ __forceinline__ int block_load_batch(RowBatch& b, const i32* recv_pos
     }, min_pos);
 }
 
+// Warp-wide: the entries k (bit k) of a row whose position is kept, in [0, capacity_rows) (lane
+// k < TOPK holds entry k's position in `pos`; -1 empty, -2 dropped). `lane` is the caller's lane.
+__device__ __forceinline__ u32 kept_entries(int lane, int pos, int capacity_rows) {
+    return __ballot_sync(FULL_MASK, lane < TOPK && pos >= 0 && pos < capacity_rows);
+}
+
 // The set of ranks a token was sent to, from its send_mask row [world] (bool bytes), as a
 // 64-bit mask. Warp-wide (every lane calls it, same row).
 __device__ __forceinline__ u64 warp_dest_set(const u8* __restrict__ send_mask_row, int world) {

@@ -687,12 +687,12 @@ __device__ __forceinline__ BatchShape slab_rows(SlabRows set, int rank, int worl
 }
 
 // Warp-wide: store(row) for the out_x row of each kept entry, k increasing (lane k < TOPK holds
-// entry k's position in `pos`; kept: in [0, capacity_rows); pos_at(k): entry k's position, for a
-// kept k, warp-uniform). `lane` is the caller's lane.
+// entry k's position in `pos`; kept_entries; pos_at(k): entry k's position, for a kept k,
+// warp-uniform). `lane` is the caller's lane.
 template <typename PosAt, typename Store>
 __device__ __forceinline__ void for_each_kept_row(int lane, int pos, PosAt pos_at, int capacity_rows, u8* out,
                                                   Store store) {
-    for (u32 m = __ballot_sync(FULL_MASK, lane < TOPK && pos >= 0 && pos < capacity_rows); m != 0u; m &= m - 1u) {
+    for (u32 m = kept_entries(lane, pos, capacity_rows); m != 0u; m &= m - 1u) {
         store(out + static_cast<i64>(pos_at(__ffs(static_cast<int>(m)) - 1)) * ROW_BYTES);
     }
 }
