@@ -899,11 +899,11 @@ __device__ __forceinline__ void layout_segments(i32* s_end, i32* s_kept, i32* s_
 // Block-wide: zero the padding rows [start_j + n_j, end_j) of every segment (s_end, s_pad from
 // segments()), in batches of up to PAD_BATCH_UNITS row units a warp. The zeros go evict-first:
 // nothing reads them before the experts, and the rows that combine reads next then stay in L2
-// (one H200, one rank, T=128: a graph of dispatch and combine 35.2-36.3 -> 31.5-31.7 us). The group, blocks
-// [first_block, gridDim.x), takes one batch per block first; with `tickets` (zero at the call's
-// start) the batches past those go by ticket, to the group and to every other block that calls
-// this once its own work is done, so blocks that come late take fewer; without, each block of the
-// group takes every group-th batch.
+// (one H200, one rank, T=128: a graph of dispatch and combine 35.2-36.3 -> 31.5-31.7 us). The
+// group, blocks [first_block, gridDim.x), takes one batch per block first; with `tickets` (zero at
+// the call's start) the batches past those go by ticket, to the group and to every other block
+// that calls this once its own work is done, so blocks that come late take fewer; without, each
+// block of the group takes every group-th batch.
 __device__ __forceinline__ void zero_padding(const i32* s_end, const i32* s_pad, int num_local_experts, int capacity_rows,
                                              int first_block, u64* tickets, u8* out) {
     typedef RowParts<EXPAND_VPL> Chunks;
