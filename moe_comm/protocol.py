@@ -141,8 +141,9 @@ TIMEOUT_PHASES = {
 # Local (not symmetric) state, u64 [STATE_WORDS] per backend: state[STATE_EPOCH + channel] is the
 # epoch of the last completed call on the channel, state[STATE_DONE + slot] the done-counter of
 # the last-block pattern of a phase, state[STATE_CHUNK_DONE + c] (c < MAX_CHUNKS) that of
-# dispatch's chunk c, state[STATE_CLAIM + (epoch & 1)] the batch tickets of dispatch's arrivals at
-# that epoch parity (each dispatch or redispatch zeroes the next call's word when it starts).
+# dispatch's chunk c, state[STATE_CLAIM + (epoch & 1)] the batch tickets of dispatch's arrivals (at
+# one rank, where nothing arrives, of its zero padding) at that epoch parity (each dispatch or
+# redispatch zeroes the next call's word when it starts).
 STATE_EPOCH = 0
 STATE_DONE = 2
 STATE_CHUNK_DONE = 16
