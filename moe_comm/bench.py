@@ -73,6 +73,8 @@ class BenchOptions:
     and/or ``skewed`` (a few hot experts). hidden, num_experts, topk, dtype: the model shape.
     backend: moe_comm's backend. num_sms: its senders. sm_budget: the SMs of every kernel (None:
     the whole device). slab_copies: the config's (2: parity copies, no acks; 1: acks).
+    expert_alignment: the config's (rows each expert segment of ``out.x`` is padded to; at decode sizes
+    the zero padding is most of dispatch's bytes).
     repeats: timed measurements per median.
     warmup: untimed runs first. baselines: also run the all-to-all baselines (CUDA only).
     budget_sweep / sweep_tokens: ``sm_budget`` values timed (graph-replayed, uniform routing) at these T.
@@ -96,6 +98,7 @@ class BenchOptions:
     num_sms: int = Config.num_sms
     sm_budget: Optional[int] = None
     slab_copies: int = 2
+    expert_alignment: int = Config.expert_alignment
     repeats: int = 50
     warmup: int = 5
     baselines: bool = True
@@ -265,6 +268,7 @@ def _config(options: BenchOptions, work: _Workload, sm_budget: Optional[int], di
         max_tokens_per_rank=max(work.static[0].shape[0], 1), dtype=options.dtype,
         num_sms=options.num_sms if num_sms is None else num_sms,
         sm_budget=sm_budget, dispatch_dtype=dispatch_dtype, slab_copies=options.slab_copies,
+        expert_alignment=options.expert_alignment,
     )
 
 
@@ -657,6 +661,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="SMs of every dispatch/combine kernel (default: the whole device)")
     parser.add_argument("--slab-copies", type=int, default=defaults.slab_copies,
                         help="receive slab copies of the device backends (2: by call parity, no acks; 1: acks)")
+    parser.add_argument("--expert-alignment", type=int, default=defaults.expert_alignment,
+                        help="rows each expert segment of the dispatch output is padded to (default "
+                             f"{defaults.expert_alignment}); at decode sizes the zero padding is most of dispatch's bytes")
     parser.add_argument("--sweep-budget", type=int, nargs="*", default=[],
                         help=f"sm_budget values to time at T = {' '.join(map(str, defaults.sweep_tokens))}")
     parser.add_argument("--sweep-senders", type=int, nargs="+", default=[], metavar="NUM_SMS",
@@ -684,7 +691,8 @@ def _options(args: argparse.Namespace, gpus: int) -> BenchOptions:
         tokens=tuple(chosen["tokens"]), routings=tuple(chosen["routings"]), hidden=chosen["hidden"],
         num_experts=chosen["num_experts"], topk=chosen["topk"], backend=args.backend if gpus else "reference",
         num_sms=args.num_sms, repeats=chosen["repeats"], baselines=not args.no_baselines,
-        sm_budget=args.sm_budget, slab_copies=args.slab_copies, budget_sweep=tuple(args.sweep_budget),
+        sm_budget=args.sm_budget, slab_copies=args.slab_copies, expert_alignment=args.expert_alignment,
+        budget_sweep=tuple(args.sweep_budget),
         sender_sweep=tuple(args.sweep_senders),
         overlap_budgets=_OVERLAP_BUDGETS if args.overlap == [] else tuple(args.overlap or ()),
         dtype="bfloat16" if gpus else "float32", fp8=args.fp8,
@@ -699,6 +707,7 @@ def _check_options(options: BenchOptions, world_size: int) -> None:
     """
     for name, values in (("--tokens", options.tokens), ("--repeats", (options.repeats,)),
                          ("--sweep-budget", options.budget_sweep), ("--num-sms", (options.num_sms,)),
+                         ("--expert-alignment", (options.expert_alignment,)),
                          ("--sweep-senders", options.sender_sweep),
                          ("--overlap", options.overlap_budgets),
                          ("--sm-budget", () if options.sm_budget is None else (options.sm_budget,))):
@@ -712,6 +721,7 @@ def _check_options(options: BenchOptions, world_size: int) -> None:
         None, backend=options.backend, num_experts=options.num_experts, topk=options.topk, hidden=options.hidden,
         max_tokens_per_rank=max(options.tokens), dtype=options.dtype, num_sms=options.num_sms,
         dispatch_dtype="float8_e4m3fn" if options.fp8 else None, slab_copies=options.slab_copies,
+        expert_alignment=options.expert_alignment,
     )
     config.check_world(world_size)
 

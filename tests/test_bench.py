@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 from dataclasses import asdict
+from types import SimpleNamespace
 
 import pytest
 
@@ -17,6 +18,7 @@ import torch.distributed as dist
 
 from moe_comm.baselines import HostSplitAllToAll, PaddedAllToAll, SymmMemAllToAll2d, chunks_per_rank, covered_rows
 from moe_comm import bench
+from moe_comm.config import Config
 from moe_comm.bench import BenchOptions, bench_rank, make_routing, write_results
 from multirank import run_ranks
 
@@ -188,6 +190,10 @@ def test_cpu_defaults_are_a_smoke_run_and_flags_win():
     assert bench._options(bench._parser().parse_args(["--overlap"]), gpus=1).overlap_budgets == (132, 64, 24, 16, 8, 4)
     assert bench._options(bench._parser().parse_args(["--overlap", "24"]), gpus=1).overlap_budgets == (24,)
     assert bench._options(bench._parser().parse_args(["--fp8"]), gpus=1).fp8 and not given.fp8
+    # --expert-alignment reaches the config every measurement is made with (and the results' metadata).
+    aligned = bench._options(bench._parser().parse_args(["--expert-alignment", "1"]), gpus=1)
+    assert (aligned.expert_alignment, given.expert_alignment) == (1, Config.expert_alignment)
+    assert bench._config(aligned, SimpleNamespace(static=(torch.empty(8, 0),)), None).expert_alignment == 1
     assert bench._options(bench._parser().parse_args([]), gpus=1).overlap_budgets == ()
 
 
@@ -197,6 +203,7 @@ def test_cpu_defaults_are_a_smoke_run_and_flags_win():
     (["--ranks", "0"], "--ranks: got 0"),
     (["--tokens", "4", "0"], "--tokens: got 0"),
     (["--sm-budget", "0"], "--sm-budget: got 0"),
+    (["--expert-alignment", "0"], "--expert-alignment: got 0"),
     (["--overlap", "24", "-1"], "--overlap: got -1"),
     (["--sweep-budget", "24", "--sweep-senders", "8", "0"], "--sweep-senders: got 0"),
     (["--sweep-senders", "8"], "no --sweep-budget was given"),
