@@ -297,6 +297,8 @@ class Dispatcher:
         Returns:
             ``[T, H]`` with ``z[t] = sum_k topk_weights[t, k] * y[row of (t, k)]`` (zeros for a
             token with no valid expert); differentiable with respect to ``y`` and ``topk_weights``.
+            Weights and rows are used as given: a NaN or infinite one of a kept assignment reaches
+            ``z[t]`` as it would the dense sum (checking them would cost a host sync per call).
         """
         backend = self._live_backend()
         cfg = self.config
