@@ -662,8 +662,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--slab-copies", type=int, default=defaults.slab_copies,
                         help="receive slab copies of the device backends (2: by call parity, no acks; 1: acks)")
     parser.add_argument("--expert-alignment", type=int, default=defaults.expert_alignment,
-                        help="rows each expert segment of the dispatch output is padded to (default "
-                             f"{defaults.expert_alignment}); at decode sizes the zero padding is most of dispatch's bytes")
+                        help=f"rows each expert segment of the dispatch output is padded to (default "
+                             f"{defaults.expert_alignment}); at decode sizes the zero padding is most of "
+                             "dispatch's bytes")
     parser.add_argument("--sweep-budget", type=int, nargs="*", default=[],
                         help=f"sm_budget values to time at T = {' '.join(map(str, defaults.sweep_tokens))}")
     parser.add_argument("--sweep-senders", type=int, nargs="+", default=[], metavar="NUM_SMS",

@@ -190,7 +190,7 @@ def test_cpu_defaults_are_a_smoke_run_and_flags_win():
     assert bench._options(bench._parser().parse_args(["--overlap"]), gpus=1).overlap_budgets == (132, 64, 24, 16, 8, 4)
     assert bench._options(bench._parser().parse_args(["--overlap", "24"]), gpus=1).overlap_budgets == (24,)
     assert bench._options(bench._parser().parse_args(["--fp8"]), gpus=1).fp8 and not given.fp8
-    # --expert-alignment reaches the config every measurement is made with (and the results' metadata).
+    # --expert-alignment reaches the config every measurement is made with.
     aligned = bench._options(bench._parser().parse_args(["--expert-alignment", "1"]), gpus=1)
     assert (aligned.expert_alignment, given.expert_alignment) == (1, Config.expert_alignment)
     assert bench._config(aligned, SimpleNamespace(static=(torch.empty(8, 0),)), None).expert_alignment == 1
