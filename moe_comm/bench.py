@@ -662,7 +662,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--slab-copies", type=int, default=defaults.slab_copies,
                         help="receive slab copies of the device backends (2: by call parity, no acks; 1: acks)")
     parser.add_argument("--expert-alignment", type=int, default=defaults.expert_alignment,
-                        help=f"rows each expert segment of the dispatch output is padded to (default "
+                        help="rows each expert segment of the dispatch output is padded to (default "
                              f"{defaults.expert_alignment}); at decode sizes the zero padding is most of "
                              "dispatch's bytes")
     parser.add_argument("--sweep-budget", type=int, nargs="*", default=[],
