@@ -528,6 +528,11 @@ __device__ __forceinline__ void report_drops(i64* status, i64 num_dropped, i64 f
     }
 }
 
+// Rows of a segment of `kept` rows, rounded up to the alignment.
+__device__ __forceinline__ int aligned_rows(int kept, int alignment) {
+    return (kept + alignment - 1) / alignment * alignment;
+}
+
 // The layout's dynamic shared memory (int32): per-warp counts [warps][L], then L each of block
 // totals, earlier blocks' counts and segment starts, then (a replicated layout) the positions of
 // the carried rows [LAYOUT_ROWS_PER_BLOCK][K]. The host sizes it (kernels.DispatchKernels).
@@ -618,7 +623,7 @@ __device__ __forceinline__ void layout_entries(const LayoutShared& shared, const
     // Kept counts, aligned segments and their cumulative ends.
     block_inclusive_scan(num_local_experts, [&](int j) {
         const int kept = min(shared.total[j], capacity);
-        return (kept + alignment - 1) / alignment * alignment;
+        return aligned_rows(kept, alignment);
     }, [&](int j, int segment, int end) {
         shared.start[j] = end - segment;
         if (block == 0 && scope.writes) {
@@ -892,7 +897,7 @@ __device__ __forceinline__ void layout_segments(i32* s_end, i32* s_kept, i32* s_
                                                 int num_local_experts, int alignment, int capacity) {
     segments(s_end, s_kept, s_pad, num_local_experts, [&](int j, i32& kept, i32& end) {
         kept = min(shared.total[j], capacity);
-        end = shared.start[j] + (kept + alignment - 1) / alignment * alignment;
+        end = shared.start[j] + aligned_rows(kept, alignment);
     });
 }
 
@@ -1003,7 +1008,7 @@ __device__ __forceinline__ ExpandRoles expand_roles(int early, int grid, int wor
 __device__ __forceinline__ bool own_blocks_join_padding(const LayoutShared& shared, int num_local_experts, int alignment,
                                                         int capacity, int pad_blocks) {
     const int last = num_local_experts - 1;
-    const i64 rows = shared.start[last] + (min(shared.total[last], capacity) + alignment - 1) / alignment * alignment;
+    const i64 rows = shared.start[last] + aligned_rows(min(shared.total[last], capacity), alignment);
     return rows * RowParts<EXPAND_VPL>::kPerRow > static_cast<i64>(pad_blocks) * (blockDim.x >> 5) * PAD_BATCH_UNITS;
 }
 
