@@ -419,6 +419,14 @@ __device__ __forceinline__ void wait_blocks(const u64* flags, int first, int las
     __syncthreads();
 }
 
+// Block-wide: the arriving half of blocks_barrier (below), for a block that needs nothing the
+// others stored: flags[me] = stamp, a GPU-scope release after a barrier of its threads (cumulative:
+// the barrier ordered the block's stores before it).
+__device__ __forceinline__ void arrive_blocks(u64* flags, int me, u64 stamp) {
+    __syncthreads();
+    if (threadIdx.x == 0) st_release_gpu(flags + me, stamp);
+}
+
 // Block-wide: a barrier of the blocks whose slots are [first, last) (blocks of the same kernel,
 // which all run at once: grids of at most one block per SM); every one of them calls it with its
 // own slot `me`. Each stamps flags[me] = stamp (a GPU-scope release after a barrier of its
@@ -427,8 +435,7 @@ __device__ __forceinline__ void wait_blocks(const u64* flags, int first, int las
 // never need resetting.
 __device__ __forceinline__ void blocks_barrier(u64* flags, int me, int first, int last, u64 stamp, i64* status,
                                                int rank, i64 timeout_ns) {
-    __syncthreads();
-    if (threadIdx.x == 0) st_release_gpu(flags + me, stamp);  // cumulative: the barrier ordered the block's stores
+    arrive_blocks(flags, me, stamp);
     wait_blocks(flags, first, last, stamp, status, rank, timeout_ns);
 }
 

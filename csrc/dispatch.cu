@@ -52,7 +52,9 @@
 //     expansion trails the transfer. Past one batch per block of the arrival group, batches go by
 //     ticket (state[STATE_CLAIM + (e & 1)], zeroed by the call before), so late blocks take fewer.
 //   Past decode sizes every block of the group copies own rows, zeroes padding, then takes arrival
-//   batches; at decode sizes the three run side by side on parts of the group (expand_roles).
+//   batches; at decode sizes the three run side by side on parts of the group (expand_roles), and
+//   the padding blocks start once the first layout block has stamped the segments, before the
+//   positions (they pass the group's barrier without waiting, and wait for it before arrivals).
 //   The call ends (end_call): the block counted in last at the start sets state.epoch[0] = e.
 //   (One copy:) instead every block counts itself done at the end, and the last one release-stores
 //   ack[0][R] = e into every source's flags, then sets state.epoch[0] = e.
@@ -569,15 +571,17 @@ struct LayoutScope {
 // Block-wide, after every source's metadata was acquired (or at world 1 at once): the layout (see
 // the top of this file) of the rows of s_tokens / s_begin (load_slab_tokens) read from `src`, this
 // block's part of it by `scope`. block_counts [blocks, num_local_experts] int32 and barrier_flags
-// [blocks] u64 are local scratch (flags start at 0). Pass 2 and the segment scan stay inline here:
-// as helpers they changed the machine code (more registers for pass 2).
+// [blocks] u64 are local scratch (flags start at 0). With `segments_stamp` the first layout block
+// stamps it with the epoch once the segments (expert_offsets, tokens_per_expert) are written,
+// before pass 2. Pass 2 and the segment scan stay inline here: as helpers they changed the machine
+// code (more registers for pass 2).
 template <typename Entries>
 __device__ __forceinline__ void layout_entries(const LayoutShared& shared, const Entries& src, const i32* s_tokens,
                                                const i64* s_begin, int rank, int world, int max_tokens_per_rank, u64 epoch,
                                                i64* status, i64 timeout_ns, int num_local_experts, int alignment,
                                                int capacity, const LayoutScope& scope, i32* recv_pos, float* recv_weight,
                                                i32* expert_offsets, i32* tokens_per_expert, i32* block_counts,
-                                               u64* barrier_flags) {
+                                               u64* barrier_flags, u64* segments_stamp) {
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int warps = blockDim.x >> 5;
@@ -631,6 +635,8 @@ __device__ __forceinline__ void layout_entries(const LayoutShared& shared, const
             tokens_per_expert[j] = min(shared.total[j], capacity);
         }
     });
+    // Cumulative: the scan's closing barrier ordered the block's segment stores before it.
+    if (segments_stamp != nullptr && block == 0 && scope.writes && threadIdx.x == 0) st_release_gpu(segments_stamp, epoch);
 
     // Pass 2: ranks, positions, weights (none for a block that neither keeps nor writes them).
     i64 num_dropped = 0;
@@ -1043,8 +1049,9 @@ __device__ __forceinline__ u64* next_call_tickets_zeroed(u64* state, u64 epoch) 
 // them laying out, receive while the senders still send, and the senders then join the arrivals.
 // kOneRank (world 1, no senders): the layout reads the routing itself, at decode sizes on every
 // block for itself (LayoutScope), and nothing is sent or awaited. Dynamic shared memory:
-// LayoutShared's. block_counts [layout_blocks, num_local_experts] int32 and barrier_flags [2,
-// gridDim.x] u64 (zero at first) are this kernel's local scratch.
+// LayoutShared's. block_counts [layout_blocks, num_local_experts] int32 and barrier_flags [2 *
+// gridDim.x + 1] u64 (zero at first: the layout blocks' stamps, the group's, then the segments')
+// are this kernel's local scratch.
 template <bool kOneRank>
 __device__ __forceinline__ void dispatch_call(DISPATCH_PARAMS) {
     extern __shared__ i32 smem[];
@@ -1059,6 +1066,7 @@ __device__ __forceinline__ void dispatch_call(DISPATCH_PARAMS) {
     const int block = blockIdx.x;
     const int early = num_senders < grid ? num_senders : 0;  // first block of the early group
     const int layout_first = grid - layout_blocks;
+    u64* segments_stamp = barrier_flags + 2 * grid;
     u8* out = static_cast<u8*>(out_x);
     const u8* recv = reinterpret_cast<const u8*>(s_peer[rank] + off_recv_x);
 
@@ -1127,9 +1135,19 @@ __device__ __forceinline__ void dispatch_call(DISPATCH_PARAMS) {
             load_slab_tokens(s_tokens, s_begin, entries, s_peer[rank], world, max_tokens_per_rank, epoch);
             layout_entries(shared, entries, s_tokens, s_begin, rank, world, max_tokens_per_rank, epoch, status, timeout_ns,
                            num_local_experts, alignment, capacity, scope, recv_pos, recv_weight, expert_offsets,
-                           tokens_per_expert, block_counts, barrier_flags);
+                           tokens_per_expert, block_counts, barrier_flags, kOneRank ? nullptr : segments_stamp);
         }
-        if (!replicated) blocks_barrier(barrier_flags + grid, block, early, grid, epoch, status, rank, timeout_ns);
+        // The padding blocks of a split need only the segments, which the first layout block stamps
+        // before its pass 2: they arrive at the group's barrier (what they packed is then ordered
+        // before the own rows) and zero rows while pass 2 runs, waiting for the group only before
+        // arrival batches, which need the positions.
+        const bool pads_first = !kOneRank && roles.split && block >= roles.pad_first;
+        if (pads_first) {
+            arrive_blocks(barrier_flags + grid, block, epoch);
+            wait_blocks(segments_stamp, 0, 1, epoch, status, rank, timeout_ns);
+        } else if (!replicated) {
+            blocks_barrier(barrier_flags + grid, block, early, grid, epoch, status, rank, timeout_ns);
+        }
         const int own_last = roles.split ? roles.own_end : grid;
         if (replicated || roles.split) {
             if (block < own_last) {
@@ -1159,6 +1177,7 @@ __device__ __forceinline__ void dispatch_call(DISPATCH_PARAMS) {
                          out);
         }
         if (!kOneRank) {
+            if (pads_first) wait_blocks(barrier_flags + grid, early, grid, epoch, status, rank, timeout_ns);
             expand_arrivals(batch, s_peer[rank], rank, world, max_tokens_per_rank, chunk_tokens, epoch, status,
                             timeout_ns, roles.arrivals_first, roles.arrivals_last, tickets, recv, recv_pos, capacity_rows,
                             out);

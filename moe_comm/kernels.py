@@ -300,11 +300,12 @@ class DispatchKernels:
         prefix = args.prefix()
 
         # About LAYOUT_ROWS_PER_BLOCK slab rows per layout block; the layout blocks publish their
-        # per-expert counts in local scratch, and blocks stamp barriers in barrier_flags [2, grid].
+        # per-expert counts in local scratch, and blocks stamp barriers in barrier_flags [2 * grid + 1]
+        # (the layout blocks', the receiving group's, and the word that says the segments are out).
         slab_rows = args.world_size * args.max_tokens_per_rank
         self._layout_blocks = max(1, min(self._grid, _cdiv(slab_rows, protocol.LAYOUT_ROWS_PER_BLOCK)))
         self._block_counts = torch.zeros((self._layout_blocks, num_local_experts), dtype=torch.int32, device=device)
-        self._barrier_flags = torch.zeros(2 * self._grid, dtype=torch.int64, device=device)
+        self._barrier_flags = torch.zeros(2 * self._grid + 1, dtype=torch.int64, device=device)
         capacity = 2**31 - 1 if expert_capacity is None else min(int(expert_capacity), 2**31 - 1)
         chunk_tokens = max(protocol.MIN_CHUNK_TOKENS, _cdiv(args.max_tokens_per_rank, protocol.MAX_CHUNKS))
         # Each kernel's parameters: the ones fixed for this backend first, then the per-call ones.
