@@ -803,15 +803,16 @@ __device__ __forceinline__ void expand_rows(RowBatch& batch, const BatchShape& s
 // rows the other ranks send, chunk by chunk as they land. The rows t < T_s of every other slab s
 // form pieces p = c * (W - 1) + i (chunk c of the i-th other rank), numbered in that order and cut
 // into batches of consecutive rows, so the blocks sweep the chunks in the order the senders
-// complete them; before a batch, thread j waits for the chunk flag of row j. The group, blocks
-// [first_block, last_block), takes one batch per block first (decode sizes need no more); the
-// batches past those go by ticket (atomic adds on `tickets`, zero at the call's start), to the
-// group's blocks and to every other block that calls this once its own work is done (senders
-// whose rows are out, blocks of other roles), so blocks that come late take fewer.
+// complete them; before a batch, thread j waits for the chunk flag of row j. The batches are sized
+// so that each chunk's rows spread over `batch_blocks` blocks. The group, blocks [first_block,
+// last_block), takes one batch per block first; the batches past those go by ticket (atomic adds
+// on `tickets`, zero at the call's start), to the group's blocks and to every other block that
+// calls this once its own work is done (senders whose rows are out, blocks of other roles), so
+// blocks that come late take fewer.
 __device__ __forceinline__ void expand_arrivals(RowBatch& batch, i64 base, int rank, int world, int max_tokens_per_rank,
                                                 int chunk_tokens, u64 epoch, i64* status, i64 timeout_ns,
-                                                int first_block, int last_block, u64* tickets, const u8* recv,
-                                                const i32* recv_pos, int capacity_rows, u8* out) {
+                                                int first_block, int last_block, int batch_blocks, u64* tickets,
+                                                const u8* recv, const i32* recv_pos, int capacity_rows, u8* out) {
     __shared__ i64 s_next;  // the block's next batch
     __shared__ i32 s_piece[(MAX_WORLD - 1) * MAX_CHUNKS];  // rows of the pieces before p
     const int others = world - 1;
@@ -825,11 +826,11 @@ __device__ __forceinline__ void expand_arrivals(RowBatch& batch, i64 base, int r
         return min(max(tokens - (p / others) * chunk_tokens, 0), chunk_tokens);
     }, [&](int p, int rows, int inclusive) { s_piece[p] = inclusive - rows; });
 
-    // Batches small enough that every chunk's rows spread over all the blocks: the rows of the
-    // last chunk to land are what is left to expand after the transfer.
+    // Batches small enough that every chunk's rows spread over batch_blocks blocks: the rows of
+    // the last chunk to land are what is left to expand after the transfer.
     const int blocks = last_block - first_block;
     const i64 chunk_rows = imin64(total, static_cast<i64>(others) * chunk_tokens);
-    const i64 per_block = (chunk_rows + blocks - 1) / blocks;
+    const i64 per_block = (chunk_rows + batch_blocks - 1) / batch_blocks;
     const int rows = static_cast<int>(per_block < 1 ? 1 : (per_block > BATCH_ROWS ? BATCH_ROWS : per_block));
     // Piece p and slab row of virtual row v < total.
     auto locate = [&](i64 v, int& piece, int& source) -> i64 {
@@ -984,6 +985,9 @@ struct ExpandRoles {
     int pad_first;
     int arrivals_first;  // the arrival group
     int arrivals_last;
+    int arrival_batch_blocks;  // the arrival batches are sized for this many blocks (expand_arrivals):
+                               // at decode sizes the whole grid, the blocks of the other roles and the
+                               // senders taking by ticket what the arrival group has not
 };
 
 __device__ __forceinline__ ExpandRoles expand_roles(int early, int grid, int world, int num_tokens, int max_tokens_per_rank) {
@@ -997,8 +1001,9 @@ __device__ __forceinline__ ExpandRoles expand_roles(int early, int grid, int wor
     };
     const int own = blocks_for(num_tokens);
     const int arrivals = blocks_for(static_cast<i64>(world - 1) * max_tokens_per_rank);
-    ExpandRoles roles{2 * own <= group, early, early, early, grid};
+    ExpandRoles roles{2 * own <= group, early, early, early, grid, group};
     if (!roles.split) return roles;
+    roles.arrival_batch_blocks = grid;
     roles.own_end = roles.pad_first = early + own;
     if (arrivals > 0 && 3 * (own + arrivals) <= 2 * group) {
         roles.arrivals_first = roles.own_end;
@@ -1179,8 +1184,8 @@ __device__ __forceinline__ void dispatch_call(DISPATCH_PARAMS) {
         if (!kOneRank) {
             if (pads_first) wait_blocks(barrier_flags + grid, early, grid, epoch, status, rank, timeout_ns);
             expand_arrivals(batch, s_peer[rank], rank, world, max_tokens_per_rank, chunk_tokens, epoch, status,
-                            timeout_ns, roles.arrivals_first, roles.arrivals_last, tickets, recv, recv_pos, capacity_rows,
-                            out);
+                            timeout_ns, roles.arrivals_first, roles.arrivals_last, roles.arrival_batch_blocks, tickets,
+                            recv, recv_pos, capacity_rows, out);
         }
     } else if (!kOneRank) {
         // A sender beside an early group, its rows out: it helps expand the rows that arrive, once
@@ -1190,7 +1195,8 @@ __device__ __forceinline__ void dispatch_call(DISPATCH_PARAMS) {
         wait_blocks(barrier_flags + grid, early, grid, epoch, status, rank, timeout_ns);
         const ExpandRoles roles = expand_roles(early, grid, world, num_tokens, max_tokens_per_rank);
         expand_arrivals(batch, s_peer[rank], rank, world, max_tokens_per_rank, chunk_tokens, epoch, status, timeout_ns,
-                        roles.arrivals_first, roles.arrivals_last, tickets, recv, recv_pos, capacity_rows, out);
+                        roles.arrivals_first, roles.arrivals_last, roles.arrival_batch_blocks, tickets, recv, recv_pos,
+                        capacity_rows, out);
     }
     end_call(call, state, SLOT_DISPATCH_EXPAND, s_peer, rank, world, CH_TO_DEST, copy_stride);
 }
