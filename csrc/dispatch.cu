@@ -50,7 +50,9 @@
 //   arrivals (the same group, and the senders once their rows are out): the same copy for the rows
 //     the other ranks send, chunk by chunk as chunk_c[0][s] >= e says they have landed, so the
 //     expansion trails the transfer. Past one batch per block of the arrival group, batches go by
-//     ticket (state[STATE_CLAIM + (e & 1)], zeroed by the call before), so late blocks take fewer.
+//     ticket (state[STATE_CLAIM + (e & 1)], zeroed by the call before), so late blocks take fewer;
+//     at decode sizes the batches are sized for the whole grid, so every block joins once its own
+//     part is done.
 //   Past decode sizes every block of the group copies own rows, zeroes padding, then takes arrival
 //   batches; at decode sizes the three run side by side on parts of the group (expand_roles), and
 //   the padding blocks start once the first layout block has stamped the segments, before the
