@@ -801,6 +801,13 @@ __device__ __forceinline__ void expand_rows(RowBatch& batch, const BatchShape& s
     }
 }
 
+// The index of a batch drawn by ticket: batches [0, handed_out) went one per block of a group
+// first, the rest go one atomic add on `tickets` (zero at the call's start) each. Thread 0 draws
+// for its block (expand_arrivals, zero_padding).
+__device__ __forceinline__ i64 ticket_batch(u64* tickets, int handed_out) {
+    return handed_out + static_cast<i64>(atomicAdd(tickets, 1ull));
+}
+
 // Block-wide, after every source's metadata was acquired and the layout is visible: expand the
 // rows the other ranks send, chunk by chunk as they land. The rows t < T_s of every other slab s
 // form pieces p = c * (W - 1) + i (chunk c of the i-th other rank), numbered in that order and cut
@@ -853,12 +860,12 @@ __device__ __forceinline__ void expand_arrivals(RowBatch& batch, i64 base, int r
     const bool in_group = static_cast<int>(blockIdx.x) >= first_block && static_cast<int>(blockIdx.x) < last_block;
     if (!in_group && !ticketed) return;
     if (!in_group) {
-        if (threadIdx.x == 0) s_next = blocks + static_cast<i64>(atomicAdd(tickets, 1ull));
+        if (threadIdx.x == 0) s_next = ticket_batch(tickets, blocks);
         __syncthreads();
     }
     for (i64 q = in_group ? blockIdx.x - first_block : s_next; q < batches;) {
         // The next batch's ticket, drawn now: its round trip hides behind this batch.
-        const i64 next = threadIdx.x == 0 && ticketed ? blocks + static_cast<i64>(atomicAdd(tickets, 1ull)) : batches;
+        const i64 next = threadIdx.x == 0 && ticketed ? ticket_batch(tickets, blocks) : batches;
         if (threadIdx.x < rows && q * rows + threadIdx.x < total) {
             int piece, source;
             locate(q * rows + threadIdx.x, piece, source);
@@ -938,13 +945,13 @@ __device__ __forceinline__ void zero_padding(const i32* s_end, const i32* s_pad,
 #pragma unroll
     for (int u = 0; u < EXPAND_VPL; ++u) zeros[u] = zero16();
     if (!in_group) {
-        if (threadIdx.x == 0) s_next = group + static_cast<i64>(atomicAdd(tickets, 1ull));
+        if (threadIdx.x == 0) s_next = ticket_batch(tickets, group);
         __syncthreads();
     }
     for (i64 q = in_group ? blockIdx.x - first_block : s_next; q < batches;) {
         // The next batch's ticket, drawn now: its round trip hides behind this batch.
         i64 next = q + group;
-        if (ticketed) next = threadIdx.x == 0 ? group + static_cast<i64>(atomicAdd(tickets, 1ull)) : batches;
+        if (ticketed) next = threadIdx.x == 0 ? ticket_batch(tickets, group) : batches;
         const i64 end = imin64((q + 1) * per_batch, pad_units);
         for (i64 unit = q * per_batch + (threadIdx.x >> 5); unit < end; unit += warps) {
             const int p = static_cast<int>(unit / Chunks::kPerRow);
