@@ -256,7 +256,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) combine(COMBINE_PA
     send_partials(batch, s_peer, rank, world, max_tokens_per_rank, epoch, status, timeout_ns, off_ret_x, off_stage_x, y,
                   capacity_rows, recv_pos, recv_weight, weighted, acks_needed(copy_stride));
     if (last_block_done(state + STATE_DONE + SLOT_COMBINE_SEND, gridDim.x)) {
-        signal_every_rank(s_peer, rank, world, CH_TO_SOURCE, FLAG_ARRIVAL, epoch, false, 0);
+        signal_every_rank(s_peer, rank, world, CH_TO_SOURCE, FLAG_ARRIVAL, epoch);
     }
     block_wait_flags(s_peer[rank], world, CH_TO_SOURCE, FLAG_ARRIVAL, epoch, status, TIMEOUT_TO_SOURCE_ARRIVAL,
                      timeout_ns);
@@ -300,7 +300,7 @@ extern "C" __global__ void __launch_bounds__(VALUES_THREADS) values_send(
     }
 
     if (last_block_done(state + STATE_DONE + SLOT_VALUES_SEND, gridDim.x)) {
-        signal_every_rank(s_peer, rank, world, CH_TO_SOURCE, FLAG_ARRIVAL, epoch, false, 0);
+        signal_every_rank(s_peer, rank, world, CH_TO_SOURCE, FLAG_ARRIVAL, epoch);
     }
 }
 

@@ -22,17 +22,20 @@
 //   * flags        u64 at offset 0 of every rank's symmetric allocation:
 //                  flags[channel][kind][peer] (flag_at), channel CH_TO_DEST (dispatch, redispatch)
 //                  or CH_TO_SOURCE (combine, return_entry_values); kind FLAG_ARRIVAL (written by
-//                  sender `peer`), FLAG_COUNT + (epoch & 1) (T of sender `peer`, count_flag),
-//                  FLAG_ACK (written by receiver `peer` once it finished reading what this rank
-//                  sent it; one slab copy only), FLAG_META (dispatch: sender `peer`'s metadata rows
-//                  and count have landed), FLAG_CHUNK + c (chunk c of dispatch's rows, c < MAX_CHUNKS).
+//                  sender `peer`), FLAG_COUNT + (epoch & 1) (T of sender `peer`, count_flag, a
+//                  tagged word), FLAG_ACK (written by receiver `peer` once it finished reading what
+//                  this rank sent it; one slab copy only), FLAG_CHUNK + c (chunk c of dispatch's
+//                  rows, c < MAX_CHUNKS).
+//   * tagged words u64 words that carry the call's epoch tag in their high half (epoch_tag): the
+//                  count words and dispatch's metadata entries. A reader takes one only once it
+//                  carries its own call's tag, so no flag stands behind them (see "tagged words" below).
 //   * slab copies  the receive slabs (meta, ret_vals, recv_x, ret_x) exist once or twice
 //                  (Config.slab_copies), copy_stride bytes apart (0: once); epoch e uses copy e & 1
 //                  (slab_copy). With two copies a sender writing at epoch e overwrites only what its
-//                  peer read at e - 2, and the peer finished that call before it signalled anything
-//                  of e - 1, which this rank waited for before its call at e - 1 ended: so no ack is
-//                  sent or awaited (acks_needed). With one copy every sender first waits for the
-//                  peer's ack of e - 1.
+//                  peer read at e - 2, and the peer finished that call before it signalled or wrote
+//                  a tagged count word of e - 1, which this rank waited for before its call at e - 1
+//                  ended: so no ack is sent or awaited (acks_needed). With one copy every sender
+//                  first waits for the peer's ack of e - 1.
 //   * state        u64 [STATE_WORDS], local (not symmetric): [STATE_EPOCH + channel] epoch of the
 //                  last completed operation on that channel; [STATE_DONE + slot] done-counters of
 //                  the last-block pattern (SLOT_*); [STATE_CHUNK_DONE + c] those of dispatch's chunks;
@@ -455,6 +458,28 @@ __device__ __forceinline__ void remote_stf32(float* dst, float value, int pe) {
     remote_st32(reinterpret_cast<u32*>(dst), __float_as_uint(value), pe);
 }
 
+// A tagged word (whole: single-copy atomic on both transports).
+__device__ __forceinline__ void remote_st64(u64* dst, u64 value, int pe) {
+#if PUT_TRANSPORT
+    nvshmem_uint64_p(dst, value, pe);
+#else
+    (void)pe;
+    st_relaxed_sys(dst, value);
+#endif
+}
+
+// Two tagged words at a 16-byte aligned dst: one vector store with peer stores (each word is
+// still whole, which is all a reader relies on), two value puts with NVSHMEM.
+__device__ __forceinline__ void remote_st64x2(u64* dst, u64 a, u64 b, int pe) {
+#if PUT_TRANSPORT
+    nvshmem_uint64_p(dst, a, pe);
+    nvshmem_uint64_p(dst + 1, b, pe);
+#else
+    (void)pe;
+    asm volatile("st.relaxed.sys.global.v2.u64 [%0], {%1, %2};" ::"l"(dst), "l"(a), "l"(b) : "memory");
+#endif
+}
+
 // Where a row that a kernel loads lives: a user tensor that is read-only for the whole kernel
 // (x, y: the non-coherent path), or memory that peers wrote (read after the acquire that
 // synchronised with them) or that this kernel wrote itself.
@@ -510,21 +535,75 @@ __device__ __forceinline__ void put_unit(u8* dst, const u8* staged, int chunk, i
 }
 #endif
 
-// The last block's signal of a kernel that sent something on `channel`: for every rank r, the
-// count word of `epoch`'s parity (count_flag) = count in r's flags when with_count, then
+// The last block's signal of a kernel that sent something on `channel`: for every rank r,
 // flags[channel][kind][rank] = epoch (a release: everything this rank wrote to r before is visible
 // once r sees the epoch).
 __device__ __forceinline__ void signal_every_rank(const i64* s_peer, int rank, int world, int channel, int kind,
-                                                  u64 epoch, bool with_count, u64 count) {
+                                                  u64 epoch) {
     for (int r = threadIdx.x; r < world; r += blockDim.x) {
 #if PUT_TRANSPORT
-        if (with_count) nvshmem_uint64_p(count_flag(s_peer[r], world, channel, rank, epoch), count, r);
         nvshmem_fence();
         nvshmem_uint64_p(flag_at(s_peer[r], world, channel, kind, rank), epoch, r);
 #else
-        if (with_count) st_relaxed_sys(count_flag(s_peer[r], world, channel, rank, epoch), count);
         st_release_sys(flag_at(s_peer[r], world, channel, kind, rank), epoch);
 #endif
+    }
+}
+
+// ------------------------------------------------------------------------------ tagged words
+// A value that travels without a flag: a u64 word with the value in its low half and its call's
+// epoch tag in the high half, stored whole (8-byte stores and loads are single-copy atomic), so a
+// reader that finds its own call's tag has the value of its own call, written by nothing else. The
+// tag is the epoch's low 31 bits with the top bit set, so a zero word (the allocation starts
+// zeroed) never carries one. Stale words: a count word is rewritten by every call of its parity
+// (dispatch and redispatch), so a stale one is two epochs old; a metadata entry is zeroed by the
+// layout block that read it, so one that no call of this epoch wrote yet holds zero.
+
+__device__ __forceinline__ u32 epoch_tag(u64 epoch) { return 0x80000000u | static_cast<u32>(epoch); }
+
+__device__ __forceinline__ u64 tagged_word(u32 value, u64 epoch) {
+    return (static_cast<u64>(epoch_tag(epoch)) << 32) | value;
+}
+
+__device__ __forceinline__ bool has_tag(u64 word, u64 epoch) { return static_cast<u32>(word >> 32) == epoch_tag(epoch); }
+
+// Two tagged words from a 16-byte aligned p, each whole.
+__device__ __forceinline__ void ld_relaxed_sys_x2(const u64* p, u64& a, u64& b) {
+    asm volatile("ld.relaxed.sys.global.v2.u64 {%0, %1}, [%2];" : "=l"(a), "=l"(b) : "l"(p) : "memory");
+}
+
+// Spin until the word at p carries `epoch`'s tag and return it, at most timeout_ns, as
+// wait_flag_geq (on timeout the stale word comes back; the status word says the call is broken).
+__device__ __forceinline__ u64 wait_tagged(const u64* p, u64 epoch, i64* status, int phase, int peer, i64 timeout_ns) {
+    u64 word = ld_relaxed_sys(p);
+    if (has_tag(word, epoch) || status_timed_out(status)) return word;
+    const u64 start = globaltimer_ns();
+    for (;;) {
+        sleep_ns(32);
+        word = ld_relaxed_sys(p);
+        if (has_tag(word, epoch)) return word;
+        if (static_cast<i64>(globaltimer_ns() - start) > timeout_ns) {
+            status_record_timeout(status, phase, peer);
+            return word;
+        }
+    }
+}
+
+// The count word of `epoch`'s parity (count_flag) from sender `peer`, at `epoch`: that sender's T,
+// capped at M (waits for the word, wait_tagged).
+__device__ __forceinline__ int tagged_count(i64 base, int world, int channel, int peer, u64 epoch, int max_tokens_per_rank,
+                                            i64* status, i64 timeout_ns) {
+    const u64 word = wait_tagged(count_flag(base, world, channel, peer, epoch), epoch, status, TIMEOUT_TO_DEST_ARRIVAL,
+                                 peer, timeout_ns);
+    const u32 count = static_cast<u32>(word);
+    return count > static_cast<u32>(max_tokens_per_rank) ? max_tokens_per_rank : static_cast<int>(count);
+}
+
+// This rank's T at `epoch` into the count word of `epoch`'s parity in every rank's flags.
+__device__ __forceinline__ void send_count_every_rank(const i64* s_peer, int rank, int world, int channel, u64 epoch,
+                                                      int count) {
+    for (int r = threadIdx.x; r < world; r += blockDim.x) {
+        remote_st64(count_flag(s_peer[r], world, channel, rank, epoch), tagged_word(static_cast<u32>(count), epoch), r);
     }
 }
 
@@ -563,7 +642,7 @@ __device__ __forceinline__ void end_call(const Call& call, u64* state, int slot,
                                          int world, int channel, i64 copy_stride) {
     if (acks_needed(copy_stride)) {
         if (last_block_done(state + STATE_DONE + slot, gridDim.x)) {
-            signal_every_rank(s_peer, rank, world, channel, FLAG_ACK, call.epoch, false, 0);
+            signal_every_rank(s_peer, rank, world, channel, FLAG_ACK, call.epoch);
             if (threadIdx.x == 0) state[STATE_EPOCH + channel] = call.epoch;
         }
     } else if (threadIdx.x == 0 && call.blocks_before == static_cast<u64>(gridDim.x) - 1) {

@@ -5,11 +5,12 @@
 // always runs at the next epoch. Every rank runs the same sequence of operations, so epochs agree.
 // The slabs (recv_meta, recv_x) and the count words exist twice, by epoch parity (Config.slab_copies
 // 2, the default; see "slab copies" in common.cuh): call e writes copy e & 1, which its peer last
-// read at e - 2. The peer ended that call before it signalled anything of e - 1, and this rank's
-// call at e - 1 waited for the peer's metadata or arrival signal of e - 1 before it ended: so no
-// call waits for an ack. With slab_copies 1 the waits and signals marked "(one copy)" below come
-// back. Memory: the two copies of recv_x are 2 * W * M * row bytes of every rank's allocation
-// (2 x 470 MB at W = 8, M = 4096, H = 7168 bf16); moe-comm info --config gives the total.
+// read at e - 2. The peer ended that call before it wrote its count word of e - 1 or signalled
+// anything of e - 1, and this rank's call at e - 1 read that count word (dispatch's layout) or
+// waited for that arrival signal (redispatch) before it ended: so no call waits for an ack. With
+// slab_copies 1 the waits and signals marked "(one copy)" below come back. Memory: the two copies
+// of recv_x are 2 * W * M * row bytes of every rank's allocation (2 x 470 MB at W = 8, M = 4096,
+// H = 7168 bf16); moe-comm info --config gives the total.
 //
 // One kernel per call, `dispatch` (`dispatch_one_rank` at world 1, below), on one block per SM (its
 // blocks wait for each other, so all of them must be resident at once). Blocks [0, num_senders) send (num_senders: the SM budget of
@@ -21,22 +22,24 @@
 //     large T it is spread over the whole grid). (One copy:) every warp of these blocks first
 //     waits until ack[0][r] >= e - 1 in R's own flags for every rank r (r has finished reading
 //     what R sent it at the previous epoch), its first token's inputs loading meanwhile.
-//     Then for each token t < T, recv_meta[R][t] of EVERY rank r gets t's metadata row: the local
-//     expert ids of the assignments living on r (-1 elsewhere) and the K router weights (every
-//     rank gets the row, so a stale row of an earlier call is never read as live); send_mask
-//     [T, W] and dest_rank [T, K] (local outputs) are written and invalid expert ids are counted
-//     into the status word (count + smallest (R << 32 | t)). The last of these blocks done writes
-//     count[0][e & 1][R] = T and release-stores meta[0][R] = e into every rank's flags.
+//     Block 0 first writes count[0][e & 1][R] = T, a tagged word (common.cuh), into every rank's
+//     flags (a word per parity, never acked). Then for each token t < T, recv_meta[R][t] of EVERY
+//     rank r gets t's metadata row, per column k one 16-byte store of two tagged words: the local
+//     expert id of the assignment if it lives on r (-1 elsewhere) and the router weight;
+//     send_mask [T, W] and dest_rank [T, K] (local outputs) are written and invalid expert ids
+//     are counted into the status word (count + smallest (R << 32 | t)). No done-counter or
+//     signal follows: a reader takes each word once it carries the call's tag.
 //   send rows (senders, one warp per (token, row part), one unit per warp per round): recv_x[R][t]
 //     of every OTHER rank t is sent to gets the x row, once per rank (16-byte stores); R's own
 //     rows are never copied, the expansion reads them from x. Tokens [c * chunk_tokens,
 //     (c + 1) * chunk_tokens) form chunk c (at most MAX_CHUNKS): after the round that moved its
 //     last row, the last sender block to get there release-stores chunk_c[0][R] = e into every
 //     rank's flags.
-//   layout (early group, or every block when all send; it waits until meta[0][s] >= e for every s
-//     (acquire), then its last layout_blocks blocks rank): T_s = count[0][e & 1][s]; slab rows t >= T_s
-//     are empty. Ranks the entries (s, t, k) of each local expert in lexicographic order (the rows
-//     t < T_s fill the first ceil(sum T_s / LAYOUT_ROWS_PER_BLOCK) layout blocks, the busy ones;
+//   layout (early group, or every block when all send; its last layout_blocks blocks rank): T_s =
+//     count[0][e & 1][s] once it carries the tag of e; slab rows t >= T_s are empty. Each entry is
+//     taken once both its words carry that tag, and zeroed by the block that read it last. Ranks
+//     the entries (s, t, k) of each local expert in lexicographic order (the rows t < T_s fill
+//     the first ceil(sum T_s / LAYOUT_ROWS_PER_BLOCK) layout blocks, the busy ones;
 //     busy block b takes the b-th range of rows, counts its entries per expert, publishes the
 //     counts in local scratch behind a barrier of the busy blocks (none when one is busy), and
 //     offsets its ranks by the counts of the blocks before it), applies the capacity (rank >= C:
@@ -73,9 +76,10 @@
 // with `quantize` the send and own-expansion phases build them from config-dtype x as they go
 // ("FP8 rows from DTYPE rows" below); without it x holds packed rows, copied like any rows.
 // `redispatch` runs the same channel with rows only (no metadata) along an existing routing's
-// send_mask: its senders ((one copy:) after the acks of e - 1) release-store arrival[0][R] = e when
-// done (at world 1 one block, which sends nothing, only signals), and every block then expands every
-// slab with the routing's recv_pos (no layout, no padding).
+// send_mask: it writes its tagged count word as dispatch does (every call of a parity rewrites
+// that word), its senders ((one copy:) after the acks of e - 1) release-store arrival[0][R] = e
+// when done (at world 1 one block, which sends nothing, only signals), and every block then expands
+// every slab with the routing's recv_pos (no layout, no padding).
 //
 // A wait that runs past timeout_ns records (phase, peer) into the status word and gives up, so
 // every kernel terminates; the results of that call are then invalid (Dispatcher.check() says so).
@@ -90,7 +94,7 @@
 #endif
 
 #define EXPAND_VPL 4        // small units: decode sizes have few rows to spread over the SMs
-#define LAYOUT_BATCH 8      // tiles whose metadata a warp loads before it ranks them
+#define LAYOUT_BATCH 4      // tiles whose metadata a warp loads before it ranks them
 #define ROLE_COPIES_PER_WARP 8  // row unit copies a warp makes at decode sizes (expand_roles)
 #define PAD_BATCH_UNITS 2       // padding row units a warp zeroes per batch (zero_padding)
 
@@ -248,12 +252,19 @@ __device__ __forceinline__ TokenRoute route_token(const void* topk_idx, int idx_
     return route_expert_ids(load_expert_id(topk_idx, idx_is_64, t), num_experts, num_local_experts);
 }
 
+// Entry k of metadata row g (tagged words: its local expert id, then its weight's bits) in the
+// slab copy at `meta` (recv_meta [W * M, K, 2] u64; META_WORDS u32 a row).
+__device__ __forceinline__ u64* meta_entry(i64 meta, i64 g, int k) {
+    return reinterpret_cast<u64*>(meta) + (g * META_WORDS) / 2 + 2 * k;
+}
+
 // Block-wide, block `meta_block` of meta_blocks, one warp per token: the metadata row of every token t < T
-// into recv_meta[R][t] of every rank (with write_rows; the one-rank kernel's layout reads the
-// routing itself), send_mask and dest_rank, and the invalid expert ids. Every
-// warp first waits until ack[0][r] >= e - 1 for every rank r (r has finished reading what this
-// rank sent it at the previous epoch), its first token's inputs loading meanwhile; so every
-// store of the block after its next barrier (the counts, the flags, the senders' rows) is safe.
+// into recv_meta[R][t] of every rank as tagged words (with write_rows; the one-rank kernel's layout
+// reads the routing itself), send_mask and dest_rank, and the invalid expert ids; block 0 first
+// writes T into every rank's count word. (One copy:) every warp first waits until ack[0][r] >= e - 1
+// for every rank r (r has finished reading what this rank sent it at the previous epoch), its
+// first token's inputs loading meanwhile; so every store of the block after its next barrier (the
+// flags, the senders' rows) is safe.
 __device__ __forceinline__ void send_metadata(const i64* s_peer, int rank, int world, int max_tokens_per_rank, u64 epoch,
                                               i64* status, i64 timeout_ns, i64 off_meta, int num_experts,
                                               int meta_block, int meta_blocks, const void* topk_idx, int idx_is_64,
@@ -269,6 +280,8 @@ __device__ __forceinline__ void send_metadata(const i64* s_peer, int rank, int w
         warp_wait_flags(s_peer[rank], world, CH_TO_DEST, FLAG_ACK, epoch - 1, status, TIMEOUT_TO_DEST_ACK, timeout_ns);
         acked = true;
     };
+    // The count words have a word per parity and are never acked: a peer read this one at e - 2.
+    if (write_rows && meta_block == 0) send_count_every_rank(s_peer, rank, world, CH_TO_DEST, epoch, num_tokens);
     for (int t = meta_block * warps + (threadIdx.x >> 5); t < num_tokens; t += meta_blocks * warps) {
         const i64 expert = load_expert_id(topk_idx, idx_is_64, t);
         const u32 weight = lane < TOPK ? __float_as_uint(topk_weights[static_cast<i64>(t) * TOPK + lane]) : 0u;
@@ -286,10 +299,9 @@ __device__ __forceinline__ void send_metadata(const i64* s_peer, int rank, int w
             const i64 i = static_cast<i64>(t) * TOPK + lane;
             dest_rank[i] = route.dest;
             for (int r = 0; r < world && write_rows; ++r) {
-                u32* row = reinterpret_cast<u32*>(s_peer[r] + off_meta) +
-                           (static_cast<i64>(rank) * max_tokens_per_rank + t) * META_WORDS;
-                remote_st32(row + lane, static_cast<u32>(route.dest == r ? route.local : -1), r);
-                remote_st32(row + TOPK + lane, weight, r);
+                u64* entry = meta_entry(s_peer[r] + off_meta, static_cast<i64>(rank) * max_tokens_per_rank + t, lane);
+                remote_st64x2(entry, tagged_word(static_cast<u32>(route.dest == r ? route.local : -1), epoch),
+                              tagged_word(weight, epoch), r);
             }
         }
     }
@@ -328,7 +340,7 @@ __device__ __forceinline__ void send_token_rows(u64* state, const i64* s_peer, i
             const i64 last_token = imin64(static_cast<i64>(chunk + 1) * chunk_tokens, num_tokens) - 1;
             if ((last_token + 1) * Chunks::kPerRow - 1 >= (round + 1) * per_round) break;  // ends in a later round
             if (last_block_done(state + STATE_CHUNK_DONE + chunk, num_senders)) {
-                signal_every_rank(s_peer, rank, world, CH_TO_DEST, FLAG_CHUNK + chunk, epoch, false, 0);
+                signal_every_rank(s_peer, rank, world, CH_TO_DEST, FLAG_CHUNK + chunk, epoch);
             }
         }
     }
@@ -364,35 +376,72 @@ __device__ __forceinline__ i64 slab_row_of(const i64* begin, int world, int max_
     return static_cast<i64>(lo) * max_tokens_per_rank + (v - begin[lo]);
 }
 
-// Where the layout reads the entries of slab row g: the metadata rows the sources wrote (T_s from
-// their count words), or with kRouting (world 1: the one-rank kernel) this rank's routing itself:
-// nothing crosses a rank there, so the layout need not wait for the metadata phase (T_0 = T; the
-// local expert ids are the global ones).
+// Entry (g, k) as loaded, before it is taken apart: its two tagged words, or with kRouting the
+// expert id and the weight's bits (the weight only when asked for).
+struct RawEntry {
+    u64 id;
+    u64 weight;
+};
+
+// Where the layout reads the entries of slab row g: the metadata entries the sources wrote (T_s from
+// their count words; an entry is taken once its words carry this call's tag, and zeroed once read
+// for the last time, see "tagged words" in common.cuh), or with kRouting (world 1: the one-rank
+// kernel) this rank's routing itself: nothing crosses a rank there (T_0 = T; the local expert ids
+// are the global ones).
 template <bool kRouting>
 struct EntrySource {
-    const u32* meta;            // recv_meta [W * M, META_WORDS] of this call's copy
+    i64 meta;                   // recv_meta of this call's copy (meta_entry)
+    u64 epoch;
+    i64* status;
+    i64 timeout_ns;
     const void* topk_idx;       // kRouting: [T, K] int32 or int64 (idx_is_64)
     int idx_is_64;
     const float* topk_weights;  // kRouting: [T, K]
     int num_tokens;             // kRouting: T
 
-    // Entry k's local expert id, -1 if none or invalid.
-    __device__ __forceinline__ int local_expert(i64 g, int k, int num_local_experts) const {
-        i64 j;
+    // Issues the loads of entry (g, k); nothing waits for them here.
+    __device__ __forceinline__ RawEntry load(i64 g, int k, bool with_weights) const {
+        RawEntry raw{0ull, 0ull};
         if (kRouting) {
-            j = expert_id_at(topk_idx, idx_is_64, g * TOPK + k);
+            raw.id = static_cast<u64>(expert_id_at(topk_idx, idx_is_64, g * TOPK + k));
+            if (with_weights) raw.weight = __float_as_uint(topk_weights[g * TOPK + k]);
+        } else if (with_weights) {
+            ld_relaxed_sys_x2(meta_entry(meta, g, k), raw.id, raw.weight);
         } else {
-            j = static_cast<i32>(meta[g * META_WORDS + k]);
+            raw.id = ld_relaxed_sys(meta_entry(meta, g, k));
         }
+        return raw;
+    }
+    // Waits until the words of a loaded entry carry this call's tag (the source's store may still be
+    // in flight).
+    __device__ __forceinline__ void settle(RawEntry& raw, i64 g, int k, bool with_weights, int max_tokens_per_rank) const {
+        if (kRouting) return;
+        const bool id_late = !has_tag(raw.id, epoch);
+        const bool weight_late = with_weights && !has_tag(raw.weight, epoch);
+        if (id_late || weight_late) {
+            const int source = static_cast<int>(g / max_tokens_per_rank);
+            const u64* entry = meta_entry(meta, g, k);
+            if (id_late) raw.id = wait_tagged(entry, epoch, status, TIMEOUT_TO_DEST_ARRIVAL, source, timeout_ns);
+            if (weight_late) raw.weight = wait_tagged(entry + 1, epoch, status, TIMEOUT_TO_DEST_ARRIVAL, source, timeout_ns);
+        }
+    }
+    // The local expert id, -1 if none or invalid.
+    __device__ __forceinline__ int local_expert(const RawEntry& raw, int num_local_experts) const {
+        const i64 j = kRouting ? static_cast<i64>(raw.id) : static_cast<i64>(static_cast<i32>(static_cast<u32>(raw.id)));
         return j >= 0 && j < num_local_experts ? static_cast<int>(j) : -1;
     }
-    __device__ __forceinline__ float weight(i64 g, int k) const {
-        return kRouting ? topk_weights[g * TOPK + k] : __uint_as_float(meta[g * META_WORDS + TOPK + k]);
+    __device__ __forceinline__ float weight(const RawEntry& raw) const {
+        return __uint_as_float(static_cast<u32>(raw.weight));
+    }
+    // Entry (g, k) read for the last time: zeroed, so no later call takes it for its own.
+    __device__ __forceinline__ void retire(i64 g, int k) const {
+        if (kRouting) return;
+        asm volatile("st.global.v2.u64 [%0], {%1, %1};" ::"l"(meta_entry(meta, g, k)), "l"(0ull) : "memory");
     }
     // T_p, capped at M.
-    __device__ __forceinline__ int tokens(i64 base, int world, int p, u64 epoch, int max_tokens_per_rank) const {
-        const u64 count = kRouting ? static_cast<u64>(num_tokens) : ld_relaxed_sys(count_flag(base, world, CH_TO_DEST, p, epoch));
-        return count > static_cast<u64>(max_tokens_per_rank) ? max_tokens_per_rank : static_cast<int>(count);
+    __device__ __forceinline__ int tokens(i64 base, int world, int p, int max_tokens_per_rank) const {
+        if (kRouting) return num_tokens > max_tokens_per_rank ? max_tokens_per_rank : num_tokens;
+        return tagged_count(base, world, CH_TO_DEST, p, epoch, max_tokens_per_rank, status, timeout_ns);
     }
 };
 
@@ -414,17 +463,25 @@ __device__ __forceinline__ void load_tile_batch(TileBatch& batch, const Entries&
     const int lane = threadIdx.x & 31;
     const int tile_row = lane / TOPK;
     const int k = lane - tile_row * TOPK;
+    RawEntry raw[LAYOUT_BATCH];
 #pragma unroll
     for (int b = 0; b < LAYOUT_BATCH; ++b) {
-        batch.ids[b] = -1;
-        batch.weights[b] = 0.0f;
         batch.rows[b] = -1;
         const i64 v = (tile0 + b) * rows_per_tile + tile_row;
         if (tile_row < rows_per_tile && tile0 + b < tile_end && v < total_rows) {
             const i64 g = slab_row_of(begin, world, max_tokens_per_rank, v);
-            batch.ids[b] = src.local_expert(g, k, num_local_experts);
-            if (with_weights) batch.weights[b] = src.weight(g, k);
+            raw[b] = src.load(g, k, with_weights);
             batch.rows[b] = g;
+        }
+    }
+#pragma unroll
+    for (int b = 0; b < LAYOUT_BATCH; ++b) {
+        batch.ids[b] = -1;
+        batch.weights[b] = 0.0f;
+        if (batch.rows[b] >= 0) {
+            src.settle(raw[b], batch.rows[b], k, with_weights, max_tokens_per_rank);
+            batch.ids[b] = src.local_expert(raw[b], num_local_experts);
+            if (with_weights) batch.weights[b] = src.weight(raw[b]);
         }
     }
 }
@@ -434,8 +491,8 @@ __device__ __forceinline__ void load_tile_batch(TileBatch& batch, const Entries&
 // s_begin [W + 1] (s_begin[W]: all of them). Ends with __syncthreads().
 template <typename Entries>
 __device__ __forceinline__ void load_slab_tokens(i32* s_tokens, i64* s_begin, const Entries& src, i64 base, int world,
-                                                 int max_tokens_per_rank, u64 epoch) {
-    for (int p = threadIdx.x; p < world; p += blockDim.x) s_tokens[p] = src.tokens(base, world, p, epoch, max_tokens_per_rank);
+                                                 int max_tokens_per_rank) {
+    for (int p = threadIdx.x; p < world; p += blockDim.x) s_tokens[p] = src.tokens(base, world, p, max_tokens_per_rank);
     __syncthreads();
     if (threadIdx.x == 0) {
         i64 acc = 0;
@@ -661,6 +718,7 @@ __device__ __forceinline__ void layout_entries(const LayoutShared& shared, const
             __syncwarp();
             const i64 g = entries.rows[b];
             if (g >= 0) {
+                src.retire(g, k);
                 int pos = -1;
                 if (j >= 0) {
                     if (rank_in_expert < capacity) {
@@ -830,8 +888,7 @@ __device__ __forceinline__ void expand_arrivals(RowBatch& batch, i64 base, int r
     const i64 total = block_inclusive_scan(pieces, [&](int p) {
         const int i = p % others;
         const int s = i < rank ? i : i + 1;
-        const u64 count = ld_relaxed_sys(count_flag(base, world, CH_TO_DEST, s, epoch));
-        const int tokens = count > static_cast<u64>(max_tokens_per_rank) ? max_tokens_per_rank : static_cast<int>(count);
+        const int tokens = tagged_count(base, world, CH_TO_DEST, s, epoch, max_tokens_per_rank, status, timeout_ns);
         return min(max(tokens - (p / others) * chunk_tokens, 0), chunk_tokens);
     }, [&](int p, int rows, int inclusive) { s_piece[p] = inclusive - rows; });
 
@@ -1095,20 +1152,19 @@ __device__ __forceinline__ void dispatch_call(DISPATCH_PARAMS) {
         send_metadata(s_peer, rank, world, max_tokens_per_rank, epoch, status, timeout_ns, off_meta, num_experts,
                       block - meta_first, meta_blocks, topk_idx, idx_is_64, topk_weights, num_tokens, send_mask,
                       dest_rank, acks_needed(copy_stride), !kOneRank);
-        if (!kOneRank && last_block_done(state + STATE_DONE + SLOT_DISPATCH_META, meta_blocks)) {
-            signal_every_rank(s_peer, rank, world, CH_TO_DEST, FLAG_META, epoch, true, static_cast<u64>(num_tokens));
-        }
     }
     if (block < num_senders) {
         send_token_rows(state, s_peer, rank, world, max_tokens_per_rank, epoch, off_recv_x, num_experts, num_senders,
                         chunk_tokens, x, quantize != 0, topk_idx, idx_is_64, num_tokens);
     }
 
+    // Every receiving block first learns T_s from the count words (load_slab_tokens), so a missing
+    // peer shows as a dispatch timeout naming it on every block, not as blocks waiting for a layout.
+    __shared__ i32 s_tokens[MAX_WORLD];
+    __shared__ i64 s_begin[MAX_WORLD + 1];
+    const EntrySource<kOneRank> entries{s_peer[rank] + off_meta, epoch, status, timeout_ns, topk_idx, idx_is_64,
+                                        topk_weights, num_tokens};
     if (block >= early) {
-        __shared__ i32 s_tokens[MAX_WORLD];
-        __shared__ i64 s_begin[MAX_WORLD + 1];
-        const EntrySource<kOneRank> entries{reinterpret_cast<const u32*>(s_peer[rank] + off_meta), topk_idx, idx_is_64,
-                                            topk_weights, num_tokens};
         const LayoutShared shared = layout_shared(smem, num_local_experts);
         // With one rank, rows that fit one layout block are laid out by every block for itself:
         // no barrier (LayoutScope).
@@ -1135,10 +1191,7 @@ __device__ __forceinline__ void dispatch_call(DISPATCH_PARAMS) {
             }
         }
 #endif
-        if (!kOneRank) {
-            block_wait_flags(s_peer[rank], world, CH_TO_DEST, FLAG_META, epoch, status, TIMEOUT_TO_DEST_ARRIVAL,
-                             timeout_ns);
-        }
+        load_slab_tokens(s_tokens, s_begin, entries, s_peer[rank], world, max_tokens_per_rank);
         if (replicated || block >= layout_first) {
             // A replicated layout's padding blocks need only its segments: they skip the positions.
             const int b = block - layout_first;
@@ -1146,7 +1199,6 @@ __device__ __forceinline__ void dispatch_call(DISPATCH_PARAMS) {
             const LayoutScope scope = replicated
                 ? LayoutScope{0, 1, block - early, grid - early, block == grid - 1, copies_own}
                 : LayoutScope{b, layout_blocks, b, layout_blocks, true, false};
-            load_slab_tokens(s_tokens, s_begin, entries, s_peer[rank], world, max_tokens_per_rank, epoch);
             layout_entries(shared, entries, s_tokens, s_begin, rank, world, max_tokens_per_rank, epoch, status, timeout_ns,
                            num_local_experts, alignment, capacity, scope, recv_pos, recv_weight, expert_offsets,
                            tokens_per_expert, block_counts, barrier_flags, kOneRank ? nullptr : segments_stamp);
@@ -1198,9 +1250,8 @@ __device__ __forceinline__ void dispatch_call(DISPATCH_PARAMS) {
         }
     } else if (!kOneRank) {
         // A sender beside an early group, its rows out: it helps expand the rows that arrive, once
-        // the metadata and the group's layout are visible to it.
-        block_wait_flags(s_peer[rank], world, CH_TO_DEST, FLAG_META, epoch, status, TIMEOUT_TO_DEST_ARRIVAL,
-                         timeout_ns);
+        // the group's layout is visible to it.
+        load_slab_tokens(s_tokens, s_begin, entries, s_peer[rank], world, max_tokens_per_rank);
         wait_blocks(barrier_flags + grid, early, grid, epoch, status, rank, timeout_ns);
         const ExpandRoles roles = expand_roles(early, grid, world, num_tokens, max_tokens_per_rank);
         expand_arrivals(batch, s_peer[rank], rank, world, max_tokens_per_rank, chunk_tokens, epoch, status, timeout_ns,
@@ -1231,6 +1282,7 @@ extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) redispatch(
     next_call_tickets_zeroed(state, epoch);
     off_recv_x += slab_copy(epoch, copy_stride);
 
+    if (blockIdx.x == 0 && world > 1) send_count_every_rank(s_peer, rank, world, CH_TO_DEST, epoch, num_tokens);
     if (static_cast<int>(blockIdx.x) < num_senders) {
         if (acks_needed(copy_stride)) {
             block_wait_flags(s_peer[rank], world, CH_TO_DEST, FLAG_ACK, epoch - 1, status, TIMEOUT_TO_DEST_ACK,
@@ -1241,7 +1293,7 @@ extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) redispatch(
             send_rows(s_peer, rank, world, max_tokens_per_rank, off_recv_x, num_senders, x, num_tokens, send_mask);
         }
         if (last_block_done(state + STATE_DONE + SLOT_REDISPATCH_SEND, num_senders)) {
-            signal_every_rank(s_peer, rank, world, CH_TO_DEST, FLAG_ARRIVAL, epoch, false, 0);
+            signal_every_rank(s_peer, rank, world, CH_TO_DEST, FLAG_ARRIVAL, epoch);
         }
     }
     block_wait_flags(s_peer[rank], world, CH_TO_DEST, FLAG_ARRIVAL, epoch, status, TIMEOUT_TO_DEST_ARRIVAL,

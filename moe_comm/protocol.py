@@ -37,7 +37,6 @@ __all__ = [
     "FLAG_ARRIVAL",
     "FLAG_COUNT",
     "FLAG_ACK",
-    "FLAG_META",
     "FLAG_CHUNK",
     "MAX_CHUNKS",
     "FLAG_KINDS",
@@ -59,10 +58,8 @@ __all__ = [
     "SLOT_COMBINE_RECV",
     "SLOT_VALUES_SEND",
     "SLOT_VALUES_RECV",
-    "SLOT_DISPATCH_META",
     "MAX_WORLD",
     "MAX_TOPK",
-    "META_WORD_MULTIPLE",
     "REGION_ALIGN",
     "SLAB_COPIES",
     "DISPATCH_THREADS",
@@ -108,10 +105,9 @@ CHANNELS = 2
 
 # Flag kinds, u64 flags[channel][kind][peer] at offset 0 of every rank's symmetric allocation.
 FLAG_ARRIVAL = 0   # written by sender `peer`: its data of this epoch has landed
-FLAG_COUNT = 1     # FLAG_COUNT + (epoch & 1): the T of sender `peer` at an even / odd epoch
+FLAG_COUNT = 1     # FLAG_COUNT + (epoch & 1): the T of sender `peer` at an even / odd epoch, tagged with it
 FLAG_ACK = 3       # written by receiver `peer` once it finished reading what this rank sent it (one slab copy)
-FLAG_META = 4      # dispatch: sender `peer`'s metadata rows and count have landed
-FLAG_CHUNK = 5     # FLAG_CHUNK + c: chunk c of dispatch's rows from sender `peer` has landed
+FLAG_CHUNK = 4     # FLAG_CHUNK + c: chunk c of dispatch's rows from sender `peer` has landed
 # Dispatch's rows land in up to MAX_CHUNKS chunks, each of at least MIN_CHUNK_TOKENS tokens
 # (every chunk costs each sending block a system fence).
 MAX_CHUNKS = 4
@@ -158,15 +154,15 @@ SLOT_COMBINE_SEND = 2
 SLOT_COMBINE_RECV = 3
 SLOT_VALUES_SEND = 4
 SLOT_VALUES_RECV = 5
-SLOT_DISPATCH_META = 6
 
 # ------------------------------------------------------------------------------------- limits
 
 MAX_WORLD = 64   # ranks: destination sets are 64-bit masks, peer bases live in shared memory
 MAX_TOPK = 32    # columns of topk_idx: one lane per column
-# A dispatch metadata row is K local expert ids (int32, -1 = none) then K weights (float32 bits),
-# padded to a multiple of META_WORD_MULTIPLE words so rows stay 16-byte aligned (meta_words).
-META_WORD_MULTIPLE = 4
+# A dispatch metadata row is one 16-byte entry per column k: two u64 words, the local expert id
+# (int32, -1 = none) and the weight (float32 bits) each in the low half, the call's epoch tag in
+# the high half (csrc/common.cuh: a reader takes a word only once it carries its call's tag, so the
+# metadata needs no flag of its own), 4 * K u32 words (meta_words).
 REGION_ALIGN = 256   # bytes: every region of the symmetric allocation starts at a multiple
 # Copies of the receive slabs (Config.slab_copies): 2, one per epoch parity, lets a sender write
 # without waiting for its peer's ack; 1 halves them and keeps the ack round.
@@ -198,7 +194,7 @@ FP8_PACK_OWN_MAX_TOKENS = 1024
 
 def meta_words(topk: int) -> int:
     """Words (u32) of one dispatch metadata row for top-``topk`` (``META_WORDS`` in the kernels)."""
-    return -(-2 * topk // META_WORD_MULTIPLE) * META_WORD_MULTIPLE
+    return 4 * topk
 
 
 # ------------------------------------------------------------------------------ the CUDA header
@@ -212,7 +208,7 @@ _HEADER_GROUPS = (
     ("Channels: CH_TO_DEST carries dispatch and redispatch, CH_TO_SOURCE combine and the values kernels",
      ("CH_TO_DEST", "CH_TO_SOURCE", "CHANNELS")),
     ("Flag kinds of flags[channel][kind][peer]; FLAG_CHUNK + c is chunk c of dispatch's rows",
-     ("FLAG_ARRIVAL", "FLAG_COUNT", "FLAG_ACK", "FLAG_META", "FLAG_CHUNK", "MAX_CHUNKS", "FLAG_KINDS",
+     ("FLAG_ARRIVAL", "FLAG_COUNT", "FLAG_ACK", "FLAG_CHUNK", "MAX_CHUNKS", "FLAG_KINDS",
       "MIN_CHUNK_TOKENS")),
     ("Timeout phases of status[STATUS_TIMEOUT_PHASE]: 1 + 2 * channel waits for an ack, 2 + 2 * channel "
      "for an arrival",
@@ -223,9 +219,9 @@ _HEADER_GROUPS = (
      ("STATE_EPOCH", "STATE_DONE", "STATE_CHUNK_DONE", "STATE_CLAIM", "STATE_WORDS")),
     ("Done-counter slots: state[STATE_DONE + slot]",
      ("SLOT_REDISPATCH_SEND", "SLOT_DISPATCH_EXPAND", "SLOT_COMBINE_SEND", "SLOT_COMBINE_RECV",
-      "SLOT_VALUES_SEND", "SLOT_VALUES_RECV", "SLOT_DISPATCH_META")),
+      "SLOT_VALUES_SEND", "SLOT_VALUES_RECV")),
     ("Limits",
-     ("MAX_WORLD", "MAX_TOPK", "META_WORD_MULTIPLE", "REGION_ALIGN", "LAYOUT_SHARED_LIMIT")),
+     ("MAX_WORLD", "MAX_TOPK", "REGION_ALIGN", "LAYOUT_SHARED_LIMIT")),
     ("Block shapes: threads per block, the send phases' vectors per lane per unit, slab rows per layout block, "
      "e4m3 vectors per lane per unit of quantized rows, the most tokens whose own rows FP8 dispatch packs first",
      ("DISPATCH_THREADS", "SEND_VPL", "COMBINE_THREADS", "COMBINE_SEND_VPL", "VALUES_THREADS", "LAYOUT_ROWS_PER_BLOCK",
@@ -233,7 +229,7 @@ _HEADER_GROUPS = (
 )
 
 # The C spelling of meta_words(TOPK): TOPK is a compile-time define of every kernel build.
-_META_WORDS_C = "((2 * TOPK + META_WORD_MULTIPLE - 1) / META_WORD_MULTIPLE * META_WORD_MULTIPLE)"
+_META_WORDS_C = "(4 * TOPK)"
 
 
 def _c_literal(value: int) -> str:
@@ -342,16 +338,15 @@ class SymmetricRegions:
     multiple of ``REGION_ALIGN`` bytes.
 
     * ``flags``    u64 ``[CHANNELS][FLAG_KINDS][W]`` at offset 0: arrival (written by the sender),
-      count (the sender's T, one word per epoch parity), ack (written by the receiver into the
-      sender's memory; used with one slab copy), metadata (dispatch: the sender's metadata rows and
-      count have landed; its rows may still be in flight), then one per chunk of dispatch's rows
-      (chunk ``c`` of the sender's rows has landed).
+      count (the sender's T, one word per epoch parity, tagged with the epoch), ack (written by the
+      receiver into the sender's memory; used with one slab copy), then one per chunk of dispatch's
+      rows (chunk ``c`` of the sender's rows has landed).
     * ``slab_copies`` copies (one per epoch parity when 2) of the four receive slabs; the offsets
       below are copy 0's, copy 1's are ``copy_stride`` bytes further (``copy_stride`` 0: one copy).
       Epoch ``e`` reads and writes copy ``e & 1``.
 
-      * ``meta``     u32 ``[W, M, meta_words]``: slab ``s`` written by source ``s`` in dispatch: K local
-        expert ids (-1 none), then K float32 weights, padded to a multiple of ``META_WORD_MULTIPLE`` words.
+      * ``meta``     u32 ``[W, M, meta_words]``: slab ``s`` written by source ``s`` in dispatch: per column
+        k a local expert id (-1 none) and a float32 weight, each in a u64 word tagged with the epoch.
       * ``ret_vals`` f32 ``[W, M, K]``: slab ``r`` written by destination ``r`` (return_entry_values).
       * ``recv_x``   ``[W, M, row]``: slab ``s`` written by source ``s`` (dispatch, redispatch).
       * ``ret_x``    ``[W, M, row]``: slab ``r`` written by destination ``r`` (combine partials).

@@ -47,8 +47,9 @@ def test_the_header_defines_every_protocol_value():
     assert protocol.cuda_header() == text, "the header text must be deterministic"
 
 
-def test_metadata_rows_are_padded_to_16_bytes():
-    assert [protocol.meta_words(k) for k in (1, 2, 3, 8, 32)] == [4, 4, 8, 16, 64]
+def test_metadata_rows_hold_a_16_byte_entry_per_column():
+    # Two tagged u64 words (expert id, weight) per column k, so rows and entries stay 16-byte aligned.
+    assert [protocol.meta_words(k) for k in (1, 2, 3, 8, 32)] == [4, 8, 12, 32, 128]
     assert all(protocol.meta_words(k) * 4 % 16 == 0 for k in range(1, protocol.MAX_TOPK + 1))
 
 
@@ -66,7 +67,7 @@ def test_every_protocol_name_csrc_uses_comes_from_the_header():
     defined = set(_header_defines(protocol.cuda_header()))
     pattern = re.compile(r"\b((?:" + "|".join(_PROTOCOL_PREFIXES) + r")[A-Z0-9_]+)\b")
     used = {name for text in _csrc_texts().values() for name in pattern.findall(text)}
-    assert {"TIMEOUT_GRID_BARRIER", "STATUS_NUM_DROPPED", "FLAG_CHUNK", "SLOT_DISPATCH_META", "STATE_DONE"} <= used
+    assert {"TIMEOUT_GRID_BARRIER", "STATUS_NUM_DROPPED", "FLAG_CHUNK", "SLOT_COMBINE_SEND", "STATE_DONE"} <= used
     assert used <= defined, f"used in csrc but not in protocol.cuh: {sorted(used - defined)}"
 
 
@@ -133,7 +134,7 @@ def test_regions_are_aligned_and_sized_by_the_protocol():
                regions.ret_x_offset, regions.stage_x_offset, regions.nbytes]
     assert offsets == sorted(offsets) and all(o % protocol.REGION_ALIGN == 0 for o in offsets)
     assert regions.meta_offset >= protocol.CHANNELS * protocol.FLAG_KINDS * 3 * 8
-    assert regions.meta_words == protocol.meta_words(5) == 12
+    assert regions.meta_words == protocol.meta_words(5) == 20
 
 
 def test_two_slab_copies_sit_copy_stride_apart():
