@@ -340,24 +340,30 @@ __device__ __forceinline__ void status_add_offenders(i64* status, int count_fiel
     if (atomicMin(status + call_field, call) >= call) atomicMin(status + count_field + 1, first_key);
 }
 
-// Spin until *flag >= target (acquire, system scope), at most timeout_ns. On timeout record
-// (phase, peer) in the status word and return false; if a timeout was recorded already (the
-// protocol is broken until Dispatcher.check() clears it) give up at once so every kernel ends,
-// unless `patient`: waits for blocks of the same kernel, which always arrive (every wait they make
-// is bounded), keep ordering the kernel's own phases, so a broken call never reads unwritten data.
-__device__ __noinline__ bool wait_flag_geq(const u64* flag, u64 target, i64* status, int phase, int peer,
-                                           i64 timeout_ns, bool patient = false) {
-    if (ld_acquire_sys(flag) >= target) return true;
+// Spin until ready() (a load and a test), at most timeout_ns. On timeout record (phase, peer) in
+// the status word and return false; if a timeout was recorded already (the protocol is broken
+// until Dispatcher.check() clears it) give up at once so every kernel ends, unless `patient`: waits
+// for blocks of the same kernel, which always arrive (every wait they make is bounded), keep
+// ordering the kernel's own phases, so a broken call never reads unwritten data.
+template <typename Ready>
+__device__ __forceinline__ bool spin_until(Ready ready, i64* status, int phase, int peer, i64 timeout_ns, bool patient) {
+    if (ready()) return true;
     if (!patient && status_timed_out(status)) return false;
     const u64 start = globaltimer_ns();
     for (;;) {
         sleep_ns(32);
-        if (ld_acquire_sys(flag) >= target) return true;
+        if (ready()) return true;
         if (static_cast<i64>(globaltimer_ns() - start) > timeout_ns) {
             status_record_timeout(status, phase, peer);
             return false;
         }
     }
+}
+
+// Spin until *flag >= target (acquire, system scope), as spin_until.
+__device__ __noinline__ bool wait_flag_geq(const u64* flag, u64 target, i64* status, int phase, int peer,
+                                           i64 timeout_ns, bool patient = false) {
+    return spin_until([&]() { return ld_acquire_sys(flag) >= target; }, status, phase, peer, timeout_ns, patient);
 }
 
 // Threads [0, world) of the block each wait for flags[channel][kind][p] >= target in this rank's
@@ -572,21 +578,15 @@ __device__ __forceinline__ void ld_relaxed_sys_x2(const u64* p, u64& a, u64& b) 
     asm volatile("ld.relaxed.sys.global.v2.u64 {%0, %1}, [%2];" : "=l"(a), "=l"(b) : "l"(p) : "memory");
 }
 
-// Spin until the word at p carries `epoch`'s tag and return it, at most timeout_ns, as
-// wait_flag_geq (on timeout the stale word comes back; the status word says the call is broken).
+// Spin until the word at p carries `epoch`'s tag and return it, as spin_until (on timeout the
+// stale word comes back; the status word says the call is broken).
 __device__ __forceinline__ u64 wait_tagged(const u64* p, u64 epoch, i64* status, int phase, int peer, i64 timeout_ns) {
-    u64 word = ld_relaxed_sys(p);
-    if (has_tag(word, epoch) || status_timed_out(status)) return word;
-    const u64 start = globaltimer_ns();
-    for (;;) {
-        sleep_ns(32);
+    u64 word = 0;
+    spin_until([&]() {
         word = ld_relaxed_sys(p);
-        if (has_tag(word, epoch)) return word;
-        if (static_cast<i64>(globaltimer_ns() - start) > timeout_ns) {
-            status_record_timeout(status, phase, peer);
-            return word;
-        }
-    }
+        return has_tag(word, epoch);
+    }, status, phase, peer, timeout_ns, false);
+    return word;
 }
 
 // The count word of `epoch`'s parity (count_flag) from sender `peer`, at `epoch`: that sender's T,
