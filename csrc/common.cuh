@@ -41,7 +41,7 @@
 //                  the last-block pattern (SLOT_*); [STATE_CHUNK_DONE + c] those of dispatch's chunks;
 //                  [STATE_CLAIM + (epoch & 1)] dispatch's arrival batch tickets (expand_arrivals; at
 //                  one rank its padding's, zero_padding).
-//   * timeout phases: TIMEOUT_*, recorded by wait_flag_geq.
+//   * timeout phases: TIMEOUT_*, recorded by spin_until (wait_flag_geq, wait_tagged).
 #pragma once
 
 #include "protocol.cuh"
@@ -589,21 +589,20 @@ __device__ __forceinline__ u64 wait_tagged(const u64* p, u64 epoch, i64* status,
     return word;
 }
 
-// The count word of `epoch`'s parity (count_flag) from sender `peer`, at `epoch`: that sender's T,
-// capped at M (waits for the word, wait_tagged).
-__device__ __forceinline__ int tagged_count(i64 base, int world, int channel, int peer, u64 epoch, int max_tokens_per_rank,
+// The count word of `epoch`'s parity (count_flag; count words are dispatch's, channel CH_TO_DEST)
+// from sender `peer`, at `epoch`: that sender's T, capped at M (waits for the word, wait_tagged).
+__device__ __forceinline__ int tagged_count(i64 base, int world, int peer, u64 epoch, int max_tokens_per_rank,
                                             i64* status, i64 timeout_ns) {
-    const u64 word = wait_tagged(count_flag(base, world, channel, peer, epoch), epoch, status, TIMEOUT_TO_DEST_ARRIVAL,
-                                 peer, timeout_ns);
+    const u64 word = wait_tagged(count_flag(base, world, CH_TO_DEST, peer, epoch), epoch, status,
+                                 TIMEOUT_TO_DEST_ARRIVAL, peer, timeout_ns);
     const u32 count = static_cast<u32>(word);
     return count > static_cast<u32>(max_tokens_per_rank) ? max_tokens_per_rank : static_cast<int>(count);
 }
 
 // This rank's T at `epoch` into the count word of `epoch`'s parity in every rank's flags.
-__device__ __forceinline__ void send_count_every_rank(const i64* s_peer, int rank, int world, int channel, u64 epoch,
-                                                      int count) {
+__device__ __forceinline__ void send_count_every_rank(const i64* s_peer, int rank, int world, u64 epoch, int count) {
     for (int r = threadIdx.x; r < world; r += blockDim.x) {
-        remote_st64(count_flag(s_peer[r], world, channel, rank, epoch), tagged_word(static_cast<u32>(count), epoch), r);
+        remote_st64(count_flag(s_peer[r], world, CH_TO_DEST, rank, epoch), tagged_word(static_cast<u32>(count), epoch), r);
     }
 }
 

@@ -281,7 +281,7 @@ __device__ __forceinline__ void send_metadata(const i64* s_peer, int rank, int w
         acked = true;
     };
     // The count words have a word per parity and are never acked: a peer read this one at e - 2.
-    if (write_rows && meta_block == 0) send_count_every_rank(s_peer, rank, world, CH_TO_DEST, epoch, num_tokens);
+    if (write_rows && meta_block == 0) send_count_every_rank(s_peer, rank, world, epoch, num_tokens);
     for (int t = meta_block * warps + (threadIdx.x >> 5); t < num_tokens; t += meta_blocks * warps) {
         const i64 expert = load_expert_id(topk_idx, idx_is_64, t);
         const u32 weight = lane < TOPK ? __float_as_uint(topk_weights[static_cast<i64>(t) * TOPK + lane]) : 0u;
@@ -441,7 +441,7 @@ struct EntrySource {
     // T_p, capped at M.
     __device__ __forceinline__ int tokens(i64 base, int world, int p, int max_tokens_per_rank) const {
         if (kRouting) return num_tokens > max_tokens_per_rank ? max_tokens_per_rank : num_tokens;
-        return tagged_count(base, world, CH_TO_DEST, p, epoch, max_tokens_per_rank, status, timeout_ns);
+        return tagged_count(base, world, p, epoch, max_tokens_per_rank, status, timeout_ns);
     }
 };
 
@@ -888,7 +888,7 @@ __device__ __forceinline__ void expand_arrivals(RowBatch& batch, i64 base, int r
     const i64 total = block_inclusive_scan(pieces, [&](int p) {
         const int i = p % others;
         const int s = i < rank ? i : i + 1;
-        const int tokens = tagged_count(base, world, CH_TO_DEST, s, epoch, max_tokens_per_rank, status, timeout_ns);
+        const int tokens = tagged_count(base, world, s, epoch, max_tokens_per_rank, status, timeout_ns);
         return min(max(tokens - (p / others) * chunk_tokens, 0), chunk_tokens);
     }, [&](int p, int rows, int inclusive) { s_piece[p] = inclusive - rows; });
 
@@ -1282,7 +1282,7 @@ extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) redispatch(
     next_call_tickets_zeroed(state, epoch);
     off_recv_x += slab_copy(epoch, copy_stride);
 
-    if (blockIdx.x == 0 && world > 1) send_count_every_rank(s_peer, rank, world, CH_TO_DEST, epoch, num_tokens);
+    if (blockIdx.x == 0 && world > 1) send_count_every_rank(s_peer, rank, world, epoch, num_tokens);
     if (static_cast<int>(blockIdx.x) < num_senders) {
         if (acks_needed(copy_stride)) {
             block_wait_flags(s_peer[rank], world, CH_TO_DEST, FLAG_ACK, epoch - 1, status, TIMEOUT_TO_DEST_ACK,
