@@ -165,15 +165,6 @@ __device__ __forceinline__ void send_fp8_unit(const i64* s_peer, int rank, i64 r
 
 // ------------------------------------------------------------------------------- send phase
 
-// The ranks of a token's leader lanes (one per destination rank), from every lane's `dest`.
-__device__ __forceinline__ u64 leader_dest_set(u32 leaders, int dest) {
-    u64 dest_set = 0;
-    for (u32 m = leaders; m != 0u; m &= m - 1u) {
-        dest_set |= 1ull << __shfl_sync(FULL_MASK, dest, __ffs(static_cast<int>(m)) - 1);
-    }
-    return dest_set;
-}
-
 // Warp-wide: unit `chunk` of token row t of x [T, H] to slab row recv_x[rank][t] of every OTHER
 // rank in `dests` (this rank's expand reads its own tokens from x); with `quantize` (FP8_ROWS
 // builds) x holds DTYPE rows, quantized on the way (send_fp8_unit). With puts the unit is first
@@ -240,10 +231,11 @@ __device__ __forceinline__ TokenRoute route_expert_ids(i64 expert, int num_exper
     const bool valid = lane < TOPK && route.expert >= 0 && route.expert < num_experts;
     route.dest = valid ? static_cast<int>(route.expert / num_local_experts) : -1;
     route.local = valid ? static_cast<int>(route.expert - static_cast<i64>(route.dest) * num_local_experts) : -1;
-    // One leader lane per destination rank: the token crosses each link once.
-    const u32 same_dest = __match_any_sync(FULL_MASK, route.dest);
-    const bool leader = valid && (same_dest & lanemask_lt()) == 0;
-    route.dest_set = leader_dest_set(__ballot_sync(FULL_MASK, leader), route.dest);
+    // Two warp reductions, not a match of equal ranks (MATCH.ANY's cost grows with the distinct values).
+    const u32 lo = valid && route.dest < 32 ? 1u << route.dest : 0u;
+    const u32 hi = valid && route.dest >= 32 ? 1u << (route.dest - 32) : 0u;
+    route.dest_set = static_cast<u64>(__reduce_or_sync(FULL_MASK, lo)) |
+                     (static_cast<u64>(__reduce_or_sync(FULL_MASK, hi)) << 32);
     return route;
 }
 
@@ -589,30 +581,53 @@ __device__ __forceinline__ void report_drops(i64* status, i64 num_dropped, i64 f
     }
 }
 
+// (s << 32) | t of slab row g = s * M + t: the status word's key of a dropped entry. Out of line:
+// drops are rare, and the 64-bit division would sit in the code of the ranking loop.
+__device__ __noinline__ i64 slab_key(i64 g, int max_tokens_per_rank) {
+    const i64 s = g / max_tokens_per_rank;
+    return (s << 32) | (g - s * max_tokens_per_rank);
+}
+
 // Rows of a segment of `kept` rows, rounded up to the alignment.
 __device__ __forceinline__ int aligned_rows(int kept, int alignment) {
     return (kept + alignment - 1) / alignment * alignment;
 }
 
-// The layout's dynamic shared memory (int32): per-warp counts [warps][L], then L each of block
-// totals, earlier blocks' counts and segment starts, then (a replicated layout) the positions of
-// the carried rows [LAYOUT_ROWS_PER_BLOCK][K]. The host sizes it (kernels.DispatchKernels).
+// The layout's dynamic shared memory (32-bit words): per-warp counts [warps][L], then L each of
+// block totals, earlier blocks' counts and segment starts, per-warp lane sets [warps][L], then (a
+// replicated layout) the positions of the carried rows [LAYOUT_ROWS_PER_BLOCK][K]. The host sizes
+// it (kernels.DispatchKernels).
 struct LayoutShared {
     i32* count;      // [warps][L]
     i32* total;      // [L]: this block's entries per expert, then every block's
     i32* before;     // [L]: entries of the layout blocks before this one
     i32* start;      // [L]: segment starts
+    u32* lanes;      // [warps][L]: zero between tiles (same_expert_lanes)
     i32* positions;  // [LAYOUT_ROWS_PER_BLOCK][K]: recv_pos of virtual row v (rows t < T_s concatenated)
 };
 
 __device__ __forceinline__ LayoutShared layout_shared(i32* smem, int num_local_experts) {
+    const int per_warp = (blockDim.x >> 5) * num_local_experts;
     LayoutShared shared;
     shared.count = smem;
-    shared.total = smem + (blockDim.x >> 5) * num_local_experts;
+    shared.total = smem + per_warp;
     shared.before = shared.total + num_local_experts;
     shared.start = shared.before + num_local_experts;
-    shared.positions = shared.start + num_local_experts;
+    shared.lanes = reinterpret_cast<u32*>(shared.start + num_local_experts);
+    shared.positions = shared.start + num_local_experts + per_warp;
     return shared;
+}
+
+// Warp-wide: the lanes whose local expert j equals this lane's (none for j < 0), what
+// __match_any_sync gives, through the warp's row of LayoutShared::lanes: MATCH.ANY's cost grows
+// with the distinct values in the warp (one H200, 16 warps of a block, 32 distinct values a warp:
+// ~460 ns a warp per match against ~50 for a ballot), and a tile's lanes hold up to 32 experts.
+// The caller zeroes the word once every lane has read it (the first lane of each expert, after a
+// __syncwarp), so the row is zero again before the next tile.
+__device__ __forceinline__ u32 same_expert_lanes(u32* lanes, int j) {
+    if (j >= 0) atomicOr(lanes + j, 1u << (threadIdx.x & 31));
+    __syncwarp();
+    return j >= 0 ? lanes[j] : 0u;
 }
 
 // Which part of the layout a block does. The layout blocks split the rows, each writing its part of
@@ -645,7 +660,10 @@ __device__ __forceinline__ void layout_entries(const LayoutShared& shared, const
     const int warp = threadIdx.x >> 5;
     const int warps = blockDim.x >> 5;
     const int block = scope.block;
-    for (int i = threadIdx.x; i < warps * num_local_experts; i += blockDim.x) shared.count[i] = 0;
+    for (int i = threadIdx.x; i < warps * num_local_experts; i += blockDim.x) {
+        shared.count[i] = 0;
+        shared.lanes[i] = 0u;
+    }
 
     // Entries are taken in tiles of whole rows (32 / K rows, one lane per entry), and each warp
     // owns a contiguous range of tiles, so ranks follow the lexicographic (s, t, k) order.
@@ -671,6 +689,7 @@ __device__ __forceinline__ void layout_entries(const LayoutShared& shared, const
     const i64 tile_end = imin64(block_end, tile_begin + per_warp);
     const u32 row_lanes = TOPK == 32 ? FULL_MASK : ((1u << (TOPK & 31)) - 1u) << ((tile_row * TOPK) & 31);
     i32* my_count = shared.count + warp * num_local_experts;
+    u32* my_lanes = shared.lanes + warp * num_local_experts;
 
     // Pass 1. A warp with one batch (decode sizes) keeps its entries, weights too, in registers
     // for pass 2: one round trip to the metadata fewer.
@@ -705,18 +724,31 @@ __device__ __forceinline__ void layout_entries(const LayoutShared& shared, const
         if (!one_batch) {
             load_tile_batch(entries, src, s_begin, world, max_tokens_per_rank, num_local_experts, tile0, tile_end, total_rows, true);
         }
+        // One copy of the ranking code for every tile of the batch (the batch's arrays shift down a
+        // tile per iteration, so they stay in registers): a block runs it once per call, and each
+        // unrolled copy of it was fetched cold (2x H200, per-warp stamps: 0.6-0.9 us a tile
+        // unrolled, ~0.35 looped).
+#pragma unroll 1
+        for (int b = 0; b < LAYOUT_BATCH && tile0 + b < tile_end; ++b) {
+            const int j = entries.ids[0];
+            const float weight = entries.weights[0];
+            const i64 g = entries.rows[0];
 #pragma unroll
-        for (int b = 0; b < LAYOUT_BATCH; ++b) {
-            if (tile0 + b >= tile_end) break;
-            const int j = entries.ids[b];
-            const u32 same = __match_any_sync(FULL_MASK, j);
+            for (int i = 0; i + 1 < LAYOUT_BATCH; ++i) {
+                entries.ids[i] = entries.ids[i + 1];
+                entries.weights[i] = entries.weights[i + 1];
+                entries.rows[i] = entries.rows[i + 1];
+            }
+            const u32 same = same_expert_lanes(my_lanes, j);
             const u32 nonempty = __ballot_sync(FULL_MASK, j >= 0);
             const bool first_of_expert = j >= 0 && (same & lanemask_lt()) == 0u;
             const int rank_in_expert = j >= 0 ? shared.before[j] + my_count[j] + __popc(same & lanemask_lt()) : 0;
             __syncwarp();
-            if (first_of_expert) my_count[j] += __popc(same);
+            if (first_of_expert) {
+                my_count[j] += __popc(same);
+                my_lanes[j] = 0u;
+            }
             __syncwarp();
-            const i64 g = entries.rows[b];
             if (g >= 0) {
                 src.retire(g, k);
                 int pos = -1;
@@ -726,15 +758,14 @@ __device__ __forceinline__ void layout_entries(const LayoutShared& shared, const
                     } else {
                         pos = -2;
                         ++num_dropped;
-                        const i64 s = g / max_tokens_per_rank;
-                        first_dropped = imin64(first_dropped, (s << 32) | (g - s * max_tokens_per_rank));
+                        first_dropped = imin64(first_dropped, slab_key(g, max_tokens_per_rank));
                     }
                 }
                 if (scope.keeps_positions) shared.positions[((tile0 + b) * rows_per_tile + tile_row) * TOPK + k] = pos;
                 if (scope.writes) {
                     recv_pos[g * TOPK + k] = pos;
                     // A row that carries a token keeps all K weights (as the source sent them).
-                    recv_weight[g * TOPK + k] = (nonempty & row_lanes) != 0u ? entries.weights[b] : 0.0f;
+                    recv_weight[g * TOPK + k] = (nonempty & row_lanes) != 0u ? weight : 0.0f;
                 }
             }
         }
@@ -866,9 +897,8 @@ __device__ __forceinline__ i64 ticket_batch(u64* tickets, int handed_out) {
     return handed_out + static_cast<i64>(atomicAdd(tickets, 1ull));
 }
 
-// Block-wide, after every source's metadata was acquired and the layout is visible: expand the
-// rows the other ranks send, chunk by chunk as they land. The rows t < T_s of every other slab s
-// form pieces p = c * (W - 1) + i (chunk c of the i-th other rank), numbered in that order and cut
+// Block-wide, after the layout is visible: expand the rows the other ranks send, chunk by chunk
+// as they land. The rows t < T_s (s_tokens [W], load_slab_tokens) of every other slab s form pieces p = c * (W - 1) + i (chunk c of the i-th other rank), numbered in that order and cut
 // into batches of consecutive rows, so the blocks sweep the chunks in the order the senders
 // complete them; before a batch, thread j waits for the chunk flag of row j. The batches are sized
 // so that each chunk's rows spread over `batch_blocks` blocks. The group, blocks [first_block,
@@ -876,8 +906,9 @@ __device__ __forceinline__ i64 ticket_batch(u64* tickets, int handed_out) {
 // on `tickets`, zero at the call's start), to the group's blocks and to every other block that
 // calls this once its own work is done (senders whose rows are out, blocks of other roles), so
 // blocks that come late take fewer.
-__device__ __forceinline__ void expand_arrivals(RowBatch& batch, i64 base, int rank, int world, int max_tokens_per_rank,
-                                                int chunk_tokens, u64 epoch, i64* status, i64 timeout_ns,
+__device__ __forceinline__ void expand_arrivals(RowBatch& batch, i64 base, const i32* s_tokens, int rank, int world,
+                                                int max_tokens_per_rank, int chunk_tokens, u64 epoch, i64* status,
+                                                i64 timeout_ns,
                                                 int first_block, int last_block, int batch_blocks, u64* tickets,
                                                 const u8* recv, const i32* recv_pos, int capacity_rows, u8* out) {
     __shared__ i64 s_next;  // the block's next batch
@@ -888,8 +919,7 @@ __device__ __forceinline__ void expand_arrivals(RowBatch& batch, i64 base, int r
     const i64 total = block_inclusive_scan(pieces, [&](int p) {
         const int i = p % others;
         const int s = i < rank ? i : i + 1;
-        const int tokens = tagged_count(base, world, s, epoch, max_tokens_per_rank, status, timeout_ns);
-        return min(max(tokens - (p / others) * chunk_tokens, 0), chunk_tokens);
+        return min(max(s_tokens[s] - (p / others) * chunk_tokens, 0), chunk_tokens);
     }, [&](int p, int rows, int inclusive) { s_piece[p] = inclusive - rows; });
 
     // Batches small enough that every chunk's rows spread over batch_blocks blocks: the rows of
@@ -1244,8 +1274,8 @@ __device__ __forceinline__ void dispatch_call(DISPATCH_PARAMS) {
         }
         if (!kOneRank) {
             if (pads_first) wait_blocks(barrier_flags + grid, early, grid, epoch, status, rank, timeout_ns);
-            expand_arrivals(batch, s_peer[rank], rank, world, max_tokens_per_rank, chunk_tokens, epoch, status,
-                            timeout_ns, roles.arrivals_first, roles.arrivals_last, roles.arrival_batch_blocks, tickets,
+            expand_arrivals(batch, s_peer[rank], s_tokens, rank, world, max_tokens_per_rank, chunk_tokens, epoch,
+                            status, timeout_ns, roles.arrivals_first, roles.arrivals_last, roles.arrival_batch_blocks, tickets,
                             recv, recv_pos, capacity_rows, out);
         }
     } else if (!kOneRank) {
@@ -1254,8 +1284,8 @@ __device__ __forceinline__ void dispatch_call(DISPATCH_PARAMS) {
         load_slab_tokens(s_tokens, s_begin, entries, s_peer[rank], world, max_tokens_per_rank);
         wait_blocks(barrier_flags + grid, early, grid, epoch, status, rank, timeout_ns);
         const ExpandRoles roles = expand_roles(early, grid, world, num_tokens, max_tokens_per_rank);
-        expand_arrivals(batch, s_peer[rank], rank, world, max_tokens_per_rank, chunk_tokens, epoch, status, timeout_ns,
-                        roles.arrivals_first, roles.arrivals_last, roles.arrival_batch_blocks, tickets, recv, recv_pos,
+        expand_arrivals(batch, s_peer[rank], s_tokens, rank, world, max_tokens_per_rank, chunk_tokens, epoch, status,
+                        timeout_ns, roles.arrivals_first, roles.arrivals_last, roles.arrival_batch_blocks, tickets, recv, recv_pos,
                         capacity_rows, out);
     }
     end_call(call, state, SLOT_DISPATCH_EXPAND, s_peer, rank, world, CH_TO_DEST, copy_stride);

@@ -279,11 +279,11 @@ class DispatchKernels:
         grid_sms: int,
         toolchain: jit.Toolchain = jit.Toolchain(),
     ) -> None:
-        # The layout phase keeps per-warp counters of every local expert in shared memory, and the
-        # one-rank kernel at decode sizes every block its own copy of the positions (csrc/dispatch.cu's
-        # LayoutShared).
+        # The layout phase keeps per-warp counters and lane sets of every local expert in shared
+        # memory, and the one-rank kernel at decode sizes every block its own copy of the positions
+        # (csrc/dispatch.cu's LayoutShared).
         positions = protocol.LAYOUT_ROWS_PER_BLOCK * regions.topk if args.world_size == 1 else 0
-        self._shared = ((protocol.DISPATCH_THREADS // 32 + 3) * num_local_experts + positions) * 4
+        self._shared = ((2 * (protocol.DISPATCH_THREADS // 32) + 3) * num_local_experts + positions) * 4
         if self._shared > protocol.LAYOUT_SHARED_LIMIT:
             raise BackendError(
                 f"num_local_experts={num_local_experts} is too many for the dispatch kernel's shared memory "

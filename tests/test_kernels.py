@@ -162,7 +162,7 @@ def test_one_rank_kernels_get_their_grid_and_shared_memory(monkeypatch):
         assert recorders[("combine", "combine_one_rank")].grids == [grid], tokens
     assert _launch_every_kernel(monkeypatch, num_sms=4, grid_sms=8, tokens=1)[("combine", "combine")].grids == [8]
 
-    counters = (protocol.DISPATCH_THREADS // 32 + 3) * 4  # int32 per local expert
+    counters = (2 * (protocol.DISPATCH_THREADS // 32) + 3) * 4  # 32-bit words per local expert
     one = _launch_every_kernel(monkeypatch, num_sms=4, grid_sms=8, tokens=5, world=1)[("dispatch", "dispatch_one_rank")]
     several = _launch_every_kernel(monkeypatch, num_sms=4, grid_sms=8, tokens=5)[("dispatch", "dispatch")]
     assert several.shared == [counters * (EXPERTS // WORLD)]
