@@ -898,7 +898,8 @@ __device__ __forceinline__ i64 ticket_batch(u64* tickets, int handed_out) {
 }
 
 // Block-wide, after the layout is visible: expand the rows the other ranks send, chunk by chunk
-// as they land. The rows t < T_s (s_tokens [W], load_slab_tokens) of every other slab s form pieces p = c * (W - 1) + i (chunk c of the i-th other rank), numbered in that order and cut
+// as they land. The rows t < T_s (s_tokens [W], load_slab_tokens) of every other slab s form
+// pieces p = c * (W - 1) + i (chunk c of the i-th other rank), numbered in that order and cut
 // into batches of consecutive rows, so the blocks sweep the chunks in the order the senders
 // complete them; before a batch, thread j waits for the chunk flag of row j. The batches are sized
 // so that each chunk's rows spread over `batch_blocks` blocks. The group, blocks [first_block,
@@ -908,9 +909,9 @@ __device__ __forceinline__ i64 ticket_batch(u64* tickets, int handed_out) {
 // blocks that come late take fewer.
 __device__ __forceinline__ void expand_arrivals(RowBatch& batch, i64 base, const i32* s_tokens, int rank, int world,
                                                 int max_tokens_per_rank, int chunk_tokens, u64 epoch, i64* status,
-                                                i64 timeout_ns,
-                                                int first_block, int last_block, int batch_blocks, u64* tickets,
-                                                const u8* recv, const i32* recv_pos, int capacity_rows, u8* out) {
+                                                i64 timeout_ns, int first_block, int last_block, int batch_blocks,
+                                                u64* tickets, const u8* recv, const i32* recv_pos, int capacity_rows,
+                                                u8* out) {
     __shared__ i64 s_next;  // the block's next batch
     __shared__ i32 s_piece[(MAX_WORLD - 1) * MAX_CHUNKS];  // rows of the pieces before p
     const int others = world - 1;
@@ -1275,8 +1276,8 @@ __device__ __forceinline__ void dispatch_call(DISPATCH_PARAMS) {
         if (!kOneRank) {
             if (pads_first) wait_blocks(barrier_flags + grid, early, grid, epoch, status, rank, timeout_ns);
             expand_arrivals(batch, s_peer[rank], s_tokens, rank, world, max_tokens_per_rank, chunk_tokens, epoch,
-                            status, timeout_ns, roles.arrivals_first, roles.arrivals_last, roles.arrival_batch_blocks, tickets,
-                            recv, recv_pos, capacity_rows, out);
+                            status, timeout_ns, roles.arrivals_first, roles.arrivals_last,
+                            roles.arrival_batch_blocks, tickets, recv, recv_pos, capacity_rows, out);
         }
     } else if (!kOneRank) {
         // A sender beside an early group, its rows out: it helps expand the rows that arrive, once
@@ -1285,8 +1286,8 @@ __device__ __forceinline__ void dispatch_call(DISPATCH_PARAMS) {
         wait_blocks(barrier_flags + grid, early, grid, epoch, status, rank, timeout_ns);
         const ExpandRoles roles = expand_roles(early, grid, world, num_tokens, max_tokens_per_rank);
         expand_arrivals(batch, s_peer[rank], s_tokens, rank, world, max_tokens_per_rank, chunk_tokens, epoch, status,
-                        timeout_ns, roles.arrivals_first, roles.arrivals_last, roles.arrival_batch_blocks, tickets, recv, recv_pos,
-                        capacity_rows, out);
+                        timeout_ns, roles.arrivals_first, roles.arrivals_last, roles.arrival_batch_blocks, tickets,
+                        recv, recv_pos, capacity_rows, out);
     }
     end_call(call, state, SLOT_DISPATCH_EXPAND, s_peer, rank, world, CH_TO_DEST, copy_stride);
 }
