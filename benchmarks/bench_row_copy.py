@@ -6,7 +6,7 @@ eight copies of each row), and combine's send phase sums a token's expert rows. 
 (the SM-budget issue asks for at most 2x). This measures the data movement alone, outside
 moe_comm's kernels, three ways:
 
-* ``vector``: what ``csrc/dispatch.cu`` does: one warp per (row, 2 KiB part), 16-byte loads
+* ``vector``: what ``csrc/expand.cuh`` does: one warp per (row, 2 KiB part), 16-byte loads
   (4 per lane), then the part stored to each destination row.
 * ``bulk``: each warp owns a row-sized buffer in shared memory; its first lane loads a whole row
   with one ``cp.async.bulk`` (completion on an mbarrier), then stores it to each destination with

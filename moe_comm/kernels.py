@@ -281,7 +281,7 @@ class DispatchKernels:
     ) -> None:
         # The layout phase keeps per-warp counters and lane sets of every local expert in shared
         # memory, and the one-rank kernel at decode sizes every block its own copy of the positions
-        # (csrc/dispatch.cu's LayoutShared).
+        # (csrc/layout.cuh's LayoutShared).
         positions = protocol.LAYOUT_ROWS_PER_BLOCK * regions.topk if args.world_size == 1 else 0
         self._shared = ((2 * (protocol.DISPATCH_THREADS // 32) + 3) * num_local_experts + positions) * 4
         if self._shared > protocol.LAYOUT_SHARED_LIMIT:

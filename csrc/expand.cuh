@@ -1,0 +1,357 @@
+// expand.cuh: dispatch's expansion (dispatch.cu): copying the rank's own rows and the rows other
+// ranks send to the out_x rows of their kept entries, zeroing the segments' padding rows, and how the
+// blocks share that work at decode sizes (expand_roles). The protocol (which flags say that rows
+// have landed) is at the top of dispatch.cu; the positions come from layout.cuh's layout.
+#pragma once
+
+#include "common.cuh"
+#if FP8_ROWS
+#include "fp8.cuh"
+#endif
+#include "layout.cuh"
+
+#define EXPAND_VPL 4        // small units: decode sizes have few rows to spread over the SMs
+#define ROLE_COPIES_PER_WARP 8  // row unit copies a warp makes at decode sizes (expand_roles)
+#define PAD_BATCH_UNITS 2       // padding row units a warp zeroes per batch (zero_padding)
+
+// The slab rows an expansion covers: every slab (redispatch), this rank's own (its rows are in x
+// before any peer's arrive), or every other rank's.
+enum SlabRows { ALL_SLABS, OWN_SLAB };
+
+__device__ __forceinline__ BatchShape slab_rows(SlabRows set, int rank, int world, int max_tokens_per_rank, int blocks) {
+    const i64 m = max_tokens_per_rank;
+    if (set == OWN_SLAB) return batch_shape(m, blocks, rank * m);
+    return batch_shape(world * m, blocks);
+}
+
+// Warp-wide: store(row) for the out_x row of each kept entry, k increasing (lane k < TOPK holds
+// entry k's position in `pos`; kept_entries; pos_at(k): entry k's position, for a kept k,
+// warp-uniform). `lane` is the caller's lane.
+template <typename PosAt, typename Store>
+__device__ __forceinline__ void for_each_kept_row(int lane, int pos, PosAt pos_at, int capacity_rows, u8* out,
+                                                  Store store) {
+    for (u32 m = kept_entries(lane, pos, capacity_rows); m != 0u; m &= m - 1u) {
+        store(out + static_cast<i64>(pos_at(__ffs(static_cast<int>(m)) - 1)) * ROW_BYTES);
+    }
+}
+
+// Warp-wide: unit `chunk` of slab row g to the out_x rows of its kept entries (lane k < TOPK holds
+// entry k's recv_pos in `pos`; kept: in [0, capacity_rows)). Rows t >= packed_own of this rank's
+// own slab come from x [num_tokens, H] (they are never sent; with quantize_own DTYPE rows,
+// quantized on the way); the own rows below packed_own (FP8 dispatch packed them into the own slab
+// first) and the others from recv_x, where their sources wrote them before a flag this block
+// acquired. A call whose waits timed out may carry own rows past num_tokens: they are skipped. The
+// unit's loads are issued before `pos` is used, so a caller that has just loaded it from memory
+// waits for both at once. pos_at(k): entry k's position, for a kept k (warp-uniform).
+template <typename PosAt>
+__device__ __forceinline__ void copy_row_unit(i64 g, int chunk, int pos, PosAt pos_at, const u8* recv, const u8* x,
+                                              bool quantize_own, int packed_own, int num_tokens, int rank,
+                                              int max_tokens_per_rank, int capacity_rows, u8* out) {
+    typedef RowParts<EXPAND_VPL> Chunks;
+    const int lane = threadIdx.x & 31;
+    const i64 t = g - static_cast<i64>(rank) * max_tokens_per_rank;
+    const bool from_x = t >= packed_own && t < max_tokens_per_rank;  // packed_own >= 0: g is in the own slab
+    if (from_x && t >= num_tokens) return;
+    const int v0 = chunk * Chunks::kVecs + lane;
+    Vec16 vals[EXPAND_VPL];
+#if FP8_ROWS
+    if (from_x && quantize_own) {
+        float scales[EXPAND_VPL];
+        quantize_unit<EXPAND_VPL>(x + t * SOURCE_ROW_BYTES, vals, scales, v0);
+        for_each_kept_row(lane, pos, pos_at, capacity_rows, out,
+                          [&](u8* row) { store_fp8_unit<EXPAND_VPL>(row, vals, scales, v0); });
+        return;
+    }
+#else
+    (void)quantize_own;
+#endif
+    if (from_x) {
+        load_unit<EXPAND_VPL, kUserInput>(x + t * ROW_BYTES, vals, v0);
+    } else {
+        load_unit<EXPAND_VPL, kWrittenHere>(recv + g * ROW_BYTES, vals, v0);
+    }
+    for_each_kept_row(lane, pos, pos_at, capacity_rows, out, [&](u8* row) { store_unit<EXPAND_VPL>(row, vals, v0); });
+}
+
+// Block-wide: copy_row_unit for every unit of the listed rows of `batch` (slab rows batch.row[...]).
+__device__ __forceinline__ void copy_listed_rows(const RowBatch& batch, int listed, const u8* recv, const u8* x,
+                                                 bool quantize_own, int packed_own, int num_tokens, int rank,
+                                                 int max_tokens_per_rank, int capacity_rows, u8* out) {
+    typedef RowParts<EXPAND_VPL> Chunks;
+    const int lane = threadIdx.x & 31;
+    const int warps = blockDim.x >> 5;
+    for (int unit = threadIdx.x >> 5; unit < listed * Chunks::kPerRow; unit += warps) {
+        const int r = batch.list[unit / Chunks::kPerRow];
+        const int chunk = unit - (unit / Chunks::kPerRow) * Chunks::kPerRow;
+        copy_row_unit(batch.row[r], chunk, lane < TOPK ? batch.pos[r * TOPK + lane] : -1,
+                      [&](int k) { return batch.pos[r * TOPK + k]; }, recv, x, quantize_own, packed_own, num_tokens,
+                      rank, max_tokens_per_rank, capacity_rows, out);
+    }
+}
+
+// Warp-wide, the warps of blocks [first_block, first_block + blocks): this rank's own rows t <
+// num_tokens unit by unit (warp w of them takes units w, w + blocks * warps, ...), each warp
+// loading its row's K positions, row pos_row0 + t of `positions` [rows, K] (recv_pos [W * M, K]
+// written by the layout before a barrier, plain loads; or the block's own copy of the layout in
+// shared memory), alongside the unit. Decode sizes: no batch of positions, loaded by the block
+// before any row, stands between the layout and the rows.
+__device__ __forceinline__ void expand_own_units(int first_block, int blocks, const u8* recv, const u8* x,
+                                                 bool quantize_own, int packed_own, int num_tokens, int rank,
+                                                 int max_tokens_per_rank, const i32* positions, i64 pos_row0,
+                                                 int capacity_rows, u8* out) {
+    typedef RowParts<EXPAND_VPL> Chunks;
+    const int lane = threadIdx.x & 31;
+    const i64 warps = blockDim.x >> 5;
+    const i64 units = static_cast<i64>(num_tokens) * Chunks::kPerRow;
+    for (i64 unit = (blockIdx.x - first_block) * warps + (threadIdx.x >> 5); unit < units; unit += blocks * warps) {
+        const i64 t = unit / Chunks::kPerRow;
+        const int chunk = static_cast<int>(unit % Chunks::kPerRow);
+        const int pos = lane < TOPK ? positions[(pos_row0 + t) * TOPK + lane] : -1;
+        copy_row_unit(static_cast<i64>(rank) * max_tokens_per_rank + t, chunk, pos,
+                      [&](int k) { return __shfl_sync(FULL_MASK, pos, k); }, recv, x, quantize_own, packed_own,
+                      num_tokens, rank, max_tokens_per_rank, capacity_rows, out);
+    }
+}
+
+// Block-wide, blocks [first_block, gridDim.x): expand every carried slab row of `shape`'s set
+// (recv_pos [W * M, K] may have been written by other blocks of this kernel: plain loads).
+__device__ __forceinline__ void expand_rows(RowBatch& batch, const BatchShape& shape, int first_block, const u8* recv,
+                                            const u8* x, bool quantize_own, int packed_own, int num_tokens, int rank,
+                                            int max_tokens_per_rank, const i32* recv_pos, int capacity_rows, u8* out) {
+    for (i64 q = blockIdx.x - first_block; q < shape.count; q += gridDim.x - first_block) {
+        const int listed = block_load_batch(batch, recv_pos, nullptr, shape, q, 0);
+        copy_listed_rows(batch, listed, recv, x, quantize_own, packed_own, num_tokens, rank, max_tokens_per_rank,
+                         capacity_rows, out);
+        __syncthreads();  // the batch is overwritten next
+    }
+}
+
+// The index of a batch drawn by ticket: batches [0, handed_out) went one per block of a group
+// first, the rest go one atomic add on `tickets` (zero at the call's start) each. Thread 0 draws
+// for its block (expand_arrivals, zero_padding).
+__device__ __forceinline__ i64 ticket_batch(u64* tickets, int handed_out) {
+    return handed_out + static_cast<i64>(atomicAdd(tickets, 1ull));
+}
+
+// Block-wide, after the layout is visible: expand the rows the other ranks send, chunk by chunk
+// as they land. The rows t < T_s (s_tokens [W], load_slab_tokens) of every other slab s form
+// pieces p = c * (W - 1) + i (chunk c of the i-th other rank), numbered in that order and cut
+// into batches of consecutive rows, so the blocks sweep the chunks in the order the senders
+// complete them; before a batch, thread j waits for the chunk flag of row j. The batches are sized
+// so that each chunk's rows spread over `batch_blocks` blocks. The group, blocks [first_block,
+// last_block), takes one batch per block first; the batches past those go by ticket (atomic adds
+// on `tickets`, zero at the call's start), to the group's blocks and to every other block that
+// calls this once its own work is done (senders whose rows are out, blocks of other roles), so
+// blocks that come late take fewer.
+__device__ __forceinline__ void expand_arrivals(RowBatch& batch, i64 base, const i32* s_tokens, int rank, int world,
+                                                int max_tokens_per_rank, int chunk_tokens, u64 epoch, i64* status,
+                                                i64 timeout_ns, int first_block, int last_block, int batch_blocks,
+                                                u64* tickets, const u8* recv, const i32* recv_pos, int capacity_rows,
+                                                u8* out) {
+    __shared__ i64 s_next;  // the block's next batch
+    __shared__ i32 s_piece[(MAX_WORLD - 1) * MAX_CHUNKS];  // rows of the pieces before p
+    const int others = world - 1;
+    const int pieces = others * MAX_CHUNKS;
+    __syncthreads();  // s_piece may still be read by an earlier call's last batch
+    const i64 total = block_inclusive_scan(pieces, [&](int p) {
+        const int i = p % others;
+        const int s = i < rank ? i : i + 1;
+        return min(max(s_tokens[s] - (p / others) * chunk_tokens, 0), chunk_tokens);
+    }, [&](int p, int rows, int inclusive) { s_piece[p] = inclusive - rows; });
+
+    // Batches small enough that every chunk's rows spread over batch_blocks blocks: the rows of
+    // the last chunk to land are what is left to expand after the transfer.
+    const int blocks = last_block - first_block;
+    const i64 chunk_rows = imin64(total, static_cast<i64>(others) * chunk_tokens);
+    const i64 per_block = (chunk_rows + batch_blocks - 1) / batch_blocks;
+    const int rows = static_cast<int>(per_block < 1 ? 1 : (per_block > BATCH_ROWS ? BATCH_ROWS : per_block));
+    // Piece p and slab row of virtual row v < total.
+    auto locate = [&](i64 v, int& piece, int& source) -> i64 {
+        int lo = 0, hi = pieces - 1;  // the last piece starting at or before v
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) >> 1;
+            if (s_piece[mid] <= v) lo = mid;
+            else hi = mid - 1;
+        }
+        const int i = lo % others;
+        piece = lo;
+        source = i < rank ? i : i + 1;
+        return static_cast<i64>(source) * max_tokens_per_rank + (lo / others) * static_cast<i64>(chunk_tokens) +
+               (v - s_piece[lo]);
+    };
+    const i64 batches = (total + rows - 1) / rows;
+    const bool ticketed = batches > blocks;
+    const bool in_group = static_cast<int>(blockIdx.x) >= first_block && static_cast<int>(blockIdx.x) < last_block;
+    if (!in_group && !ticketed) return;
+    if (!in_group) {
+        if (threadIdx.x == 0) s_next = ticket_batch(tickets, blocks);
+        __syncthreads();
+    }
+    for (i64 q = in_group ? blockIdx.x - first_block : s_next; q < batches;) {
+        // The next batch's ticket, drawn now: its round trip hides behind this batch.
+        const i64 next = threadIdx.x == 0 && ticketed ? ticket_batch(tickets, blocks) : batches;
+        if (threadIdx.x < rows && q * rows + threadIdx.x < total) {
+            int piece, source;
+            locate(q * rows + threadIdx.x, piece, source);
+            wait_flag_geq(flag_at(base, world, CH_TO_DEST, FLAG_CHUNK + piece / others, source), epoch, status,
+                          TIMEOUT_TO_DEST_ARRIVAL, source, timeout_ns);
+        }
+        __syncthreads();
+        const int listed = block_load_rows(batch, recv_pos, nullptr, rows, [&](int j) -> i64 {
+            const i64 v = q * rows + j;
+            if (v >= total) return -1;
+            int piece, source;
+            return locate(v, piece, source);
+        }, 0);
+        copy_listed_rows(batch, listed, recv, nullptr, false, 0, 0, rank, max_tokens_per_rank, capacity_rows, out);
+        if (threadIdx.x == 0) s_next = next;
+        __syncthreads();  // the batch is overwritten next
+        q = s_next;
+    }
+}
+
+// Block-wide: the segments of the local experts in shared memory [num_local_experts] each: s_end (their
+// ends, expert_offsets), s_kept (rows kept, tokens_per_expert) and s_pad (padding rows of the
+// experts up to and including j, cumulative), from kept_and_end(j, kept, end).
+template <typename KeptAndEnd>
+__device__ __forceinline__ void segments(i32* s_end, i32* s_kept, i32* s_pad, int num_local_experts, KeptAndEnd kept_and_end) {
+    for (int j = threadIdx.x; j < num_local_experts; j += blockDim.x) kept_and_end(j, s_kept[j], s_end[j]);
+    __syncthreads();
+    block_inclusive_scan(num_local_experts, [&](int j) { return s_end[j] - (j == 0 ? 0 : s_end[j - 1]) - s_kept[j]; },
+                         [&](int j, int, int pad) { s_pad[j] = pad; });
+}
+
+// segments() from expert_offsets and tokens_per_expert, which the layout's first block wrote
+// before a barrier this block passed: coherent loads.
+__device__ __forceinline__ void load_segments(i32* s_end, i32* s_kept, i32* s_pad, const i32* expert_offsets,
+                                              const i32* tokens_per_expert, int num_local_experts) {
+    segments(s_end, s_kept, s_pad, num_local_experts, [&](int j, i32& kept, i32& end) {
+        end = ld_relaxed_gpu_i32(expert_offsets + j);
+        kept = ld_relaxed_gpu_i32(tokens_per_expert + j);
+    });
+}
+
+// segments() from this block's own layout (LayoutShared's totals and starts; s_end, s_kept and
+// s_pad may overlay its per-warp counts, which are no longer needed).
+__device__ __forceinline__ void layout_segments(i32* s_end, i32* s_kept, i32* s_pad, const LayoutShared& shared,
+                                                int num_local_experts, int alignment, int capacity) {
+    segments(s_end, s_kept, s_pad, num_local_experts, [&](int j, i32& kept, i32& end) {
+        kept = min(shared.total[j], capacity);
+        end = shared.start[j] + aligned_rows(kept, alignment);
+    });
+}
+
+// Block-wide: zero the padding rows [start_j + n_j, end_j) of every segment (s_end, s_pad from
+// segments()), in batches of up to PAD_BATCH_UNITS row units a warp. The zeros go evict-first:
+// nothing reads them before the experts, and the rows that combine reads next then stay in L2
+// (one H200, one rank, T=128: a graph of dispatch and combine 35.2-36.3 -> 31.5-31.7 us). The
+// group, blocks [first_block, gridDim.x), takes one batch per block first; with `tickets` (zero at
+// the call's start) the batches past those go by ticket, to the group and to every other block
+// that calls this once its own work is done, so blocks that come late take fewer; without, each
+// block of the group takes every group-th batch.
+__device__ __forceinline__ void zero_padding(const i32* s_end, const i32* s_pad, int num_local_experts, int capacity_rows,
+                                             int first_block, u64* tickets, u8* out) {
+    typedef RowParts<EXPAND_VPL> Chunks;
+    __shared__ i64 s_next;  // the block's next batch
+    const int lane = threadIdx.x & 31;
+    const int warps = blockDim.x >> 5;
+    const i64 pad_units = static_cast<i64>(s_pad[num_local_experts - 1]) * Chunks::kPerRow;
+    const int group = gridDim.x - first_block;
+    // Fewer units a warp when they fill the group's blocks in one batch each (T=1: one unit a warp
+    // on as many blocks as it takes; four a warp on 14 blocks cost ~1.6 us of per-SM store rate).
+    const i64 spread = (pad_units + static_cast<i64>(group) * warps - 1) / (static_cast<i64>(group) * warps);
+    const i64 per_batch = static_cast<i64>(warps) * imin64(spread > 1 ? spread : 1, PAD_BATCH_UNITS);
+    const i64 batches = (pad_units + per_batch - 1) / per_batch;
+    const bool in_group = static_cast<int>(blockIdx.x) >= first_block;
+    const bool ticketed = tickets != nullptr && batches > group;
+    if (!in_group && !ticketed) return;
+    Vec16 zeros[EXPAND_VPL];
+#pragma unroll
+    for (int u = 0; u < EXPAND_VPL; ++u) zeros[u] = zero16();
+    if (!in_group) {
+        if (threadIdx.x == 0) s_next = ticket_batch(tickets, group);
+        __syncthreads();
+    }
+    for (i64 q = in_group ? blockIdx.x - first_block : s_next; q < batches;) {
+        // The next batch's ticket, drawn now: its round trip hides behind this batch.
+        i64 next = q + group;
+        if (ticketed) next = threadIdx.x == 0 ? ticket_batch(tickets, group) : batches;
+        const i64 end = imin64((q + 1) * per_batch, pad_units);
+        for (i64 unit = q * per_batch + (threadIdx.x >> 5); unit < end; unit += warps) {
+            const int p = static_cast<int>(unit / Chunks::kPerRow);
+            const int chunk = static_cast<int>(unit - static_cast<i64>(p) * Chunks::kPerRow);
+            int lo = 0, hi = num_local_experts - 1;  // the first expert j with s_pad[j] > p
+            while (lo < hi) {
+                const int mid = (lo + hi) >> 1;
+                if (s_pad[mid] > p) hi = mid;
+                else lo = mid + 1;
+            }
+            const int row = s_end[lo] - (s_pad[lo] - p);
+            if (row < capacity_rows) {
+                store_unit<EXPAND_VPL, kEvictFirst>(out + static_cast<i64>(row) * ROW_BYTES, zeros,
+                                                    chunk * Chunks::kVecs + lane);
+            }
+        }
+        if (ticketed) {
+            __syncthreads();  // every thread has read this batch's s_next
+            if (threadIdx.x == 0) s_next = next;
+            __syncthreads();
+            next = s_next;
+        }
+        q = next;
+    }
+}
+
+// The roles of the early group's blocks [early, grid) after its layout barrier. Past decode sizes
+// every block copies own rows in batches, then zeroes padding, then takes arrival batches. At
+// decode sizes the steps are chains of round trips more than bytes, so they run side by side on
+// parts of the group: own rows on [early, own_end) (expand_own_units), the other ranks' rows on
+// the arrival group [arrivals_first, arrivals_last), the padding from pad_first on. A part's
+// blocks are sized by its unit copies at ROLE_COPIES_PER_WARP a warp (ceil(K / W) copies a row:
+// uniform routing keeps K / W of a token's entries on each rank; the arrivals counted for M rows
+// a source). Own rows split off when they fit half of the group, the arrivals too when both fit
+// two thirds of it; blocks outside the arrival group still take ticketed batches past its one
+// batch a block.
+struct ExpandRoles {
+    bool split;          // own rows on their own blocks
+    int own_end;
+    int pad_first;
+    int arrivals_first;  // the arrival group
+    int arrivals_last;
+    int arrival_batch_blocks;  // the arrival batches are sized for this many blocks (expand_arrivals):
+                               // at decode sizes the whole grid, the blocks of the other roles and the
+                               // senders taking by ticket what the arrival group has not
+};
+
+__device__ __forceinline__ ExpandRoles expand_roles(int early, int grid, int world, int num_tokens, int max_tokens_per_rank) {
+    const i64 warps = blockDim.x >> 5;
+    const int group = grid - early;
+    const i64 copies = (TOPK + world - 1) / world;
+    auto blocks_for = [&](i64 rows) {
+        const i64 unit_copies = rows * RowParts<EXPAND_VPL>::kPerRow * copies;
+        const i64 copy_warps = (unit_copies + ROLE_COPIES_PER_WARP - 1) / ROLE_COPIES_PER_WARP;
+        return static_cast<int>((copy_warps + warps - 1) / warps);
+    };
+    const int own = blocks_for(num_tokens);
+    const int arrivals = blocks_for(static_cast<i64>(world - 1) * max_tokens_per_rank);
+    ExpandRoles roles{2 * own <= group, early, early, early, grid, group};
+    if (!roles.split) return roles;
+    roles.arrival_batch_blocks = grid;
+    roles.own_end = roles.pad_first = early + own;
+    if (arrivals > 0 && 3 * (own + arrivals) <= 2 * group) {
+        roles.arrivals_first = roles.own_end;
+        roles.arrivals_last = roles.pad_first = roles.own_end + arrivals;
+    }
+    return roles;
+}
+
+// A replicated layout's own-row blocks (one rank, decode sizes), their rows out: whether they join
+// the padding. They do when it may be more than one batch per padding block (zero_padding's
+// tickets; its rows are at most the segments' end, from this block's own layout); at T=1 it is
+// not, and they end without building the segments.
+__device__ __forceinline__ bool own_blocks_join_padding(const LayoutShared& shared, int num_local_experts, int alignment,
+                                                        int capacity, int pad_blocks) {
+    const int last = num_local_experts - 1;
+    const i64 rows = shared.start[last] + aligned_rows(min(shared.total[last], capacity), alignment);
+    return rows * RowParts<EXPAND_VPL>::kPerRow > static_cast<i64>(pad_blocks) * (blockDim.x >> 5) * PAD_BATCH_UNITS;
+}
