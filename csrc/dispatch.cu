@@ -57,9 +57,10 @@
 //     at decode sizes the batches are sized for the whole grid, so every block joins once its own
 //     part is done.
 //   Past decode sizes every block of the group copies own rows, zeroes padding, then takes arrival
-//   batches; at decode sizes the three run side by side on parts of the group (expand_roles), and
-//   the padding blocks start once the first layout block has stamped the segments, before the
-//   positions (they pass the group's barrier without waiting, and wait for it before arrivals).
+//   batches; at decode sizes (expand_roles) the blocks of the group that do not lay out zero the
+//   padding first, once the first layout block has stamped the segments, before the positions
+//   (they arrive at the group's barrier before it and wait for it after), and past the barrier the
+//   own rows and the arrivals run side by side on parts of the grid.
 //   The call ends (end_call): the block counted in last at the start sets state.epoch[0] = e.
 //   (One copy:) instead every block counts itself done at the end, and the last one release-stores
 //   ack[0][R] = e into every source's flags, then sets state.epoch[0] = e.
@@ -418,15 +419,15 @@ __device__ __forceinline__ void dispatch_call(DISPATCH_PARAMS) {
     __shared__ i64 s_begin[MAX_WORLD + 1];
     const EntrySource<kOneRank> entries{s_peer[rank] + off_meta, epoch, status, timeout_ns, topk_idx, idx_is_64,
                                         topk_weights, num_tokens};
+    const LayoutShared shared = layout_shared(smem, num_local_experts);
+    // With one rank, rows that fit one layout block are laid out by every block for itself: no
+    // barrier (LayoutScope).
+    const bool replicated = kOneRank && num_tokens <= LAYOUT_ROWS_PER_BLOCK;
+    const ExpandRoles roles = expand_roles(early, layout_first, grid, world, num_tokens);
+    // FP8: this rank's rows t < packed_own were packed into its own slab, where the own expansion
+    // reads them; it quantizes the rest from x.
+    int packed_own = 0;
     if (block >= early) {
-        const LayoutShared shared = layout_shared(smem, num_local_experts);
-        // With one rank, rows that fit one layout block are laid out by every block for itself:
-        // no barrier (LayoutScope).
-        const bool replicated = kOneRank && num_tokens <= LAYOUT_ROWS_PER_BLOCK;
-        const ExpandRoles roles = expand_roles(early, grid, world, num_tokens, max_tokens_per_rank);
-        // FP8: this rank's rows t < packed_own were packed into its own slab, where the own
-        // expansion reads them; it quantizes the rest from x.
-        int packed_own = 0;
 #if FP8_ROWS
         // Own rows packed while the metadata travels and the layout runs, on the blocks that do not
         // lay out (all of the group when every one does); the barrier below orders them before the
@@ -457,60 +458,71 @@ __device__ __forceinline__ void dispatch_call(DISPATCH_PARAMS) {
                            num_local_experts, alignment, capacity, scope, recv_pos, recv_weight, expert_offsets,
                            tokens_per_expert, block_counts, barrier_flags, kOneRank ? nullptr : segments_stamp);
         }
-        // The padding blocks of a split need only the segments, which the first layout block stamps
-        // before its pass 2: they arrive at the group's barrier (what they packed is then ordered
-        // before the own rows) and zero rows while pass 2 runs, waiting for the group only before
-        // arrival batches, which need the positions.
-        const bool pads_first = !kOneRank && roles.split && block >= roles.pad_first;
-        if (pads_first) {
-            arrive_blocks(barrier_flags + grid, block, epoch);
-            wait_blocks(segments_stamp, 0, 1, epoch, status, rank, timeout_ns);
-        } else if (!replicated) {
-            blocks_barrier(barrier_flags + grid, block, early, grid, epoch, status, rank, timeout_ns);
-        }
-        const int own_last = roles.split ? roles.own_end : grid;
-        if (replicated || roles.split) {
-            if (block < own_last) {
-                expand_own_units(early, own_last - early, recv, static_cast<const u8*>(x), quantize != 0, packed_own,
-                                 num_tokens, rank, max_tokens_per_rank, replicated ? shared.positions : recv_pos,
-                                 replicated ? 0 : static_cast<i64>(rank) * max_tokens_per_rank, capacity_rows, out);
-            }
-        } else {
-            expand_rows(batch, slab_rows(OWN_SLAB, rank, world, max_tokens_per_rank, grid - early), early, recv,
-                        static_cast<const u8*>(x), quantize != 0, packed_own, num_tokens, rank, max_tokens_per_rank,
-                        recv_pos, capacity_rows, out);
-        }
-        // One rank: the own-row blocks of a split join the padding by ticket once their rows are out.
-        if (block >= roles.pad_first ||
-            (replicated && own_blocks_join_padding(shared, num_local_experts, alignment, capacity, grid - roles.pad_first))) {
-            // In the batched path the segments come only after the own rows: their loads would delay
-            // the first row copies.
-            i32* s_end = smem;
-            i32* s_kept = smem + num_local_experts;
-            i32* s_pad = smem + 2 * num_local_experts;
-            if (replicated) {
-                layout_segments(s_end, s_kept, s_pad, shared, num_local_experts, alignment, capacity);
-            } else {
-                load_segments(s_end, s_kept, s_pad, expert_offsets, tokens_per_expert, num_local_experts);
-            }
-            zero_padding(s_end, s_pad, num_local_experts, capacity_rows, roles.pad_first, kOneRank ? tickets : nullptr,
-                         out);
-        }
-        if (!kOneRank) {
-            if (pads_first) wait_blocks(barrier_flags + grid, early, grid, epoch, status, rank, timeout_ns);
-            expand_arrivals(batch, s_peer[rank], s_tokens, rank, world, max_tokens_per_rank, chunk_tokens, epoch,
-                            status, timeout_ns, roles.arrivals_first, roles.arrivals_last,
-                            roles.arrival_batch_blocks, tickets, recv, recv_pos, capacity_rows, out);
-        }
     } else if (!kOneRank) {
-        // A sender beside an early group, its rows out: it helps expand the rows that arrive, once
-        // the group's layout is visible to it.
+        // A sender beside an early group, its rows out: it helps expand, once the group's layout is
+        // visible to it.
         load_slab_tokens(s_tokens, s_begin, entries, s_peer[rank], world, max_tokens_per_rank);
+#if FP8_ROWS
+        if (quantize) packed_own = min(num_tokens, FP8_PACK_OWN_MAX_TOKENS);
+#endif
+    }
+    // The segments are in shared memory (s_end, s_kept, s_pad: they overlay LayoutShared's per-warp
+    // counts, no longer needed) when a block zeroes padding.
+    i32* s_end = smem;
+    i32* s_kept = smem + num_local_experts;
+    i32* s_pad = smem + 2 * num_local_experts;
+    // Several ranks at decode sizes: the padding needs only the segments, which the first layout
+    // block stamps before its pass 2, so the blocks of the group that do not lay out arrive at the
+    // group's barrier (what they packed is then ordered before the own rows), zero the padding while
+    // the layout ends, and then wait for the group, whose positions the row copies need.
+    const bool pads_first = !kOneRank && roles.split && block >= roles.pad_first && block < roles.pad_last;
+    if (pads_first) {
+        arrive_blocks(barrier_flags + grid, block, epoch);
+        wait_blocks(segments_stamp, 0, 1, epoch, status, rank, timeout_ns);
+        load_segments(s_end, s_kept, s_pad, expert_offsets, tokens_per_expert, num_local_experts);
+        zero_padding(s_end, s_pad, num_local_experts, capacity_rows, roles.pad_first, roles.pad_last, nullptr, out);
         wait_blocks(barrier_flags + grid, early, grid, epoch, status, rank, timeout_ns);
-        const ExpandRoles roles = expand_roles(early, grid, world, num_tokens, max_tokens_per_rank);
+    } else if (block >= early && !replicated) {
+        blocks_barrier(barrier_flags + grid, block, early, grid, epoch, status, rank, timeout_ns);
+    } else if (block < early) {
+        wait_blocks(barrier_flags + grid, early, grid, epoch, status, rank, timeout_ns);
+    }
+
+    // Own rows: unit by unit on the blocks of the roles' part (at decode sizes), else in batches
+    // on the group.
+    if (replicated || roles.split) {
+        if (block >= roles.own_first && block < roles.own_end) {
+            expand_own_units(roles.own_first, roles.own_end - roles.own_first, recv, static_cast<const u8*>(x),
+                             quantize != 0, packed_own, num_tokens, rank, max_tokens_per_rank,
+                             replicated ? shared.positions : recv_pos,
+                             replicated ? 0 : static_cast<i64>(rank) * max_tokens_per_rank, capacity_rows, out);
+        }
+    } else if (block >= early) {
+        expand_rows(batch, slab_rows(OWN_SLAB, rank, world, max_tokens_per_rank, grid - early), early, recv,
+                    static_cast<const u8*>(x), quantize != 0, packed_own, num_tokens, rank, max_tokens_per_rank,
+                    recv_pos, capacity_rows, out);
+    }
+    // The padding after the own rows, unless it went first. One rank: the own-row blocks of a split
+    // join it by ticket once their rows are out.
+    const bool pads_after = !pads_first && ((block >= roles.pad_first && block < roles.pad_last) ||
+                                            (replicated && own_blocks_join_padding(shared, num_local_experts,
+                                                                                   alignment, capacity,
+                                                                                   grid - roles.pad_first)));
+    if (pads_after) {
+        // In the batched path the segments come only after the own rows: their loads would delay the
+        // first row copies.
+        if (replicated) {
+            layout_segments(s_end, s_kept, s_pad, shared, num_local_experts, alignment, capacity);
+        } else {
+            load_segments(s_end, s_kept, s_pad, expert_offsets, tokens_per_expert, num_local_experts);
+        }
+        zero_padding(s_end, s_pad, num_local_experts, capacity_rows, roles.pad_first, roles.pad_last,
+                     kOneRank ? tickets : nullptr, out);
+    }
+    if (!kOneRank) {
         expand_arrivals(batch, s_peer[rank], s_tokens, rank, world, max_tokens_per_rank, chunk_tokens, epoch, status,
-                        timeout_ns, roles.arrivals_first, roles.arrivals_last, roles.arrival_batch_blocks, tickets,
-                        recv, recv_pos, capacity_rows, out);
+                        timeout_ns, roles.arrivals_first, grid, roles.arrival_batch_blocks, tickets, recv, recv_pos,
+                        capacity_rows, out);
     }
     end_call(call, state, SLOT_DISPATCH_EXPAND, s_peer, rank, world, CH_TO_DEST, copy_stride);
 }

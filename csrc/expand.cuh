@@ -90,7 +90,8 @@ __device__ __forceinline__ void copy_listed_rows(const RowBatch& batch, int list
 }
 
 // Warp-wide, the warps of blocks [first_block, first_block + blocks): this rank's own rows t <
-// num_tokens unit by unit (warp w of them takes units w, w + blocks * warps, ...), each warp
+// num_tokens unit by unit (unit u to warp u / blocks of block u % blocks, round after round: the
+// units spread over every block's store rate before any block takes a second), each warp
 // loading its row's K positions, row pos_row0 + t of `positions` [rows, K] (recv_pos [W * M, K]
 // written by the layout before a barrier, plain loads; or the block's own copy of the layout in
 // shared memory), alongside the unit. Decode sizes: no batch of positions, loaded by the block
@@ -103,7 +104,7 @@ __device__ __forceinline__ void expand_own_units(int first_block, int blocks, co
     const int lane = threadIdx.x & 31;
     const i64 warps = blockDim.x >> 5;
     const i64 units = static_cast<i64>(num_tokens) * Chunks::kPerRow;
-    for (i64 unit = (blockIdx.x - first_block) * warps + (threadIdx.x >> 5); unit < units; unit += blocks * warps) {
+    for (i64 unit = (threadIdx.x >> 5) * blocks + (blockIdx.x - first_block); unit < units; unit += blocks * warps) {
         const i64 t = unit / Chunks::kPerRow;
         const int chunk = static_cast<int>(unit % Chunks::kPerRow);
         const int pos = lane < TOPK ? positions[(pos_row0 + t) * TOPK + lane] : -1;
@@ -139,7 +140,8 @@ __device__ __forceinline__ i64 ticket_batch(u64* tickets, int handed_out) {
 // into batches of consecutive rows, so the blocks sweep the chunks in the order the senders
 // complete them; before a batch, thread j waits for the chunk flag of row j. The batches are sized
 // so that each chunk's rows spread over `batch_blocks` blocks. The group, blocks [first_block,
-// last_block), takes one batch per block first; the batches past those go by ticket (atomic adds
+// last_block), takes one batch per block first, from its last block down (at decode sizes the own
+// rows go unit by unit from the first block up); the batches past those go by ticket (atomic adds
 // on `tickets`, zero at the call's start), to the group's blocks and to every other block that
 // calls this once its own work is done (senders whose rows are out, blocks of other roles), so
 // blocks that come late take fewer.
@@ -187,7 +189,7 @@ __device__ __forceinline__ void expand_arrivals(RowBatch& batch, i64 base, const
         if (threadIdx.x == 0) s_next = ticket_batch(tickets, blocks);
         __syncthreads();
     }
-    for (i64 q = in_group ? blockIdx.x - first_block : s_next; q < batches;) {
+    for (i64 q = in_group ? last_block - 1 - blockIdx.x : s_next; q < batches;) {
         // The next batch's ticket, drawn now: its round trip hides behind this batch.
         const i64 next = threadIdx.x == 0 && ticketed ? ticket_batch(tickets, blocks) : batches;
         if (threadIdx.x < rows && q * rows + threadIdx.x < total) {
@@ -245,24 +247,24 @@ __device__ __forceinline__ void layout_segments(i32* s_end, i32* s_kept, i32* s_
 // segments()), in batches of up to PAD_BATCH_UNITS row units a warp. The zeros go evict-first:
 // nothing reads them before the experts, and the rows that combine reads next then stay in L2
 // (one H200, one rank, T=128: a graph of dispatch and combine 35.2-36.3 -> 31.5-31.7 us). The
-// group, blocks [first_block, gridDim.x), takes one batch per block first; with `tickets` (zero at
+// group, blocks [first_block, last_block), takes one batch per block first; with `tickets` (zero at
 // the call's start) the batches past those go by ticket, to the group and to every other block
 // that calls this once its own work is done, so blocks that come late take fewer; without, each
 // block of the group takes every group-th batch.
 __device__ __forceinline__ void zero_padding(const i32* s_end, const i32* s_pad, int num_local_experts, int capacity_rows,
-                                             int first_block, u64* tickets, u8* out) {
+                                             int first_block, int last_block, u64* tickets, u8* out) {
     typedef RowParts<EXPAND_VPL> Chunks;
     __shared__ i64 s_next;  // the block's next batch
     const int lane = threadIdx.x & 31;
     const int warps = blockDim.x >> 5;
     const i64 pad_units = static_cast<i64>(s_pad[num_local_experts - 1]) * Chunks::kPerRow;
-    const int group = gridDim.x - first_block;
+    const int group = last_block - first_block;
     // Fewer units a warp when they fill the group's blocks in one batch each (T=1: one unit a warp
     // on as many blocks as it takes; four a warp on 14 blocks cost ~1.6 us of per-SM store rate).
     const i64 spread = (pad_units + static_cast<i64>(group) * warps - 1) / (static_cast<i64>(group) * warps);
     const i64 per_batch = static_cast<i64>(warps) * imin64(spread > 1 ? spread : 1, PAD_BATCH_UNITS);
     const i64 batches = (pad_units + per_batch - 1) / per_batch;
-    const bool in_group = static_cast<int>(blockIdx.x) >= first_block;
+    const bool in_group = static_cast<int>(blockIdx.x) >= first_block && static_cast<int>(blockIdx.x) < last_block;
     const bool ticketed = tickets != nullptr && batches > group;
     if (!in_group && !ticketed) return;
     Vec16 zeros[EXPAND_VPL];
@@ -302,46 +304,43 @@ __device__ __forceinline__ void zero_padding(const i32* s_end, const i32* s_pad,
     }
 }
 
-// The roles of the early group's blocks [early, grid) after its layout barrier. Past decode sizes
-// every block copies own rows in batches, then zeroes padding, then takes arrival batches. At
-// decode sizes the steps are chains of round trips more than bytes, so they run side by side on
-// parts of the group: own rows on [early, own_end) (expand_own_units), the other ranks' rows on
-// the arrival group [arrivals_first, arrivals_last), the padding from pad_first on. A part's
-// blocks are sized by its unit copies at ROLE_COPIES_PER_WARP a warp (ceil(K / W) copies a row:
-// uniform routing keeps K / W of a token's entries on each rank; the arrivals counted for M rows
-// a source). Own rows split off when they fit half of the group, the arrivals too when both fit
-// two thirds of it; blocks outside the arrival group still take ticketed batches past its one
-// batch a block.
+// Who expands what around the early group's layout barrier. Past decode sizes every block of the
+// group [early, grid) copies own rows in batches, then zeroes padding, then takes arrival batches
+// (the senders join by ticket once their rows are out). At decode sizes the steps are chains of
+// round trips more than bytes. One rank: own rows unit by unit on [own_first, own_end), sized by
+// their unit copies at ROLE_COPIES_PER_WARP a warp (K copies a row), the padding on [pad_first,
+// grid) beside them. Several ranks: the group's blocks that do not lay out, [pad_first, pad_last),
+// zero the padding between the segments stamp and the group's barrier, which they would otherwise
+// wait at; past it every block, the senders too (their few rows went out before the barrier),
+// copies its share of the own rows and then one arrival batch (2x H200, T=128: the padding on 44
+// blocks after the stamp ended 6-8 us after the barrier, and the arrivals, drawn by ticket two
+// batches a block, ended last). A grid whose group all lays out does not split.
 struct ExpandRoles {
-    bool split;          // own rows on their own blocks
+    bool split;
+    int own_first;
     int own_end;
     int pad_first;
-    int arrivals_first;  // the arrival group
-    int arrivals_last;
-    int arrival_batch_blocks;  // the arrival batches are sized for this many blocks (expand_arrivals):
-                               // at decode sizes the whole grid, the blocks of the other roles and the
-                               // senders taking by ticket what the arrival group has not
+    int pad_last;
+    int arrivals_first;        // the arrival group [arrivals_first, grid)
+    int arrival_batch_blocks;  // the arrival batches are sized for this many blocks (expand_arrivals)
 };
 
-__device__ __forceinline__ ExpandRoles expand_roles(int early, int grid, int world, int num_tokens, int max_tokens_per_rank) {
+// num_tokens: this rank's T; layout_first: the first block that lays out.
+__device__ __forceinline__ ExpandRoles expand_roles(int early, int layout_first, int grid, int world, int num_tokens) {
     const i64 warps = blockDim.x >> 5;
     const int group = grid - early;
-    const i64 copies = (TOPK + world - 1) / world;
-    auto blocks_for = [&](i64 rows) {
-        const i64 unit_copies = rows * RowParts<EXPAND_VPL>::kPerRow * copies;
-        const i64 copy_warps = (unit_copies + ROLE_COPIES_PER_WARP - 1) / ROLE_COPIES_PER_WARP;
-        return static_cast<int>((copy_warps + warps - 1) / warps);
-    };
-    const int own = blocks_for(num_tokens);
-    const int arrivals = blocks_for(static_cast<i64>(world - 1) * max_tokens_per_rank);
-    ExpandRoles roles{2 * own <= group, early, early, early, grid, group};
+    const i64 unit_copies = static_cast<i64>(num_tokens) * RowParts<EXPAND_VPL>::kPerRow * ((TOPK + world - 1) / world);
+    const i64 copy_warps = (unit_copies + ROLE_COPIES_PER_WARP - 1) / ROLE_COPIES_PER_WARP;
+    const int own = static_cast<int>((copy_warps + warps - 1) / warps);
+    ExpandRoles roles{2 * own <= group && (world == 1 || layout_first > early), early, grid, early, grid, early, group};
     if (!roles.split) return roles;
-    roles.arrival_batch_blocks = grid;
-    roles.own_end = roles.pad_first = early + own;
-    if (arrivals > 0 && 3 * (own + arrivals) <= 2 * group) {
-        roles.arrivals_first = roles.own_end;
-        roles.arrivals_last = roles.pad_first = roles.own_end + arrivals;
+    if (world == 1) {
+        roles.own_end = roles.pad_first = early + own;
+        return roles;
     }
+    roles.own_first = roles.arrivals_first = 0;
+    roles.pad_last = layout_first;
+    roles.arrival_batch_blocks = grid;
     return roles;
 }
 
