@@ -46,7 +46,8 @@
 //     dropped, pos -2, counted with the smallest (s << 32 | t)), aligns the segments, and writes
 //     recv_pos [W, M, K], recv_weight [W, M, K], expert_offsets [L], tokens_per_expert [L]: exactly
 //     moe_comm.routing.plan_destination.
-//   own expansion (the same group, after a barrier of it): copies each of R's own rows (from x)
+//   own expansion (the same group after a barrier of it; at decode sizes with several ranks the
+//     senders too, and the padding before the barrier): copies each of R's own rows (from x)
 //     to the out_x row of each of its kept entries and zeroes every segment's padding rows
 //     [start_j + n_j, end_j) (rows at or past expert_offsets[-1] are not touched), evict-first in
 //     L2 (nothing reads them before the experts; the rows combine reads next stay).
@@ -54,13 +55,13 @@
 //     the other ranks send, chunk by chunk as chunk_c[0][s] >= e says they have landed, so the
 //     expansion trails the transfer. Past one batch per block of the arrival group, batches go by
 //     ticket (state[STATE_CLAIM + (e & 1)], zeroed by the call before), so late blocks take fewer;
-//     at decode sizes the batches are sized for the whole grid, so every block joins once its own
-//     part is done.
+//     at decode sizes the batches are sized for the whole grid, one a block, which every block
+//     takes once its own rows are out.
 //   Past decode sizes every block of the group copies own rows, zeroes padding, then takes arrival
 //   batches; at decode sizes (expand_roles) the blocks of the group that do not lay out zero the
 //   padding first, once the first layout block has stamped the segments, before the positions
-//   (they arrive at the group's barrier before it and wait for it after), and past the barrier the
-//   own rows and the arrivals run side by side on parts of the grid.
+//   (they arrive at the group's barrier before it and wait for it after), and past the barrier
+//   every block, the senders too, copies its share of the own rows and then one arrival batch.
 //   The call ends (end_call): the block counted in last at the start sets state.epoch[0] = e.
 //   (One copy:) instead every block counts itself done at the end, and the last one release-stores
 //   ack[0][R] = e into every source's flags, then sets state.epoch[0] = e.

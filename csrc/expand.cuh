@@ -306,20 +306,22 @@ __device__ __forceinline__ void zero_padding(const i32* s_end, const i32* s_pad,
 
 // Who expands what around the early group's layout barrier. Past decode sizes every block of the
 // group [early, grid) copies own rows in batches, then zeroes padding, then takes arrival batches
-// (the senders join by ticket once their rows are out). At decode sizes the steps are chains of
-// round trips more than bytes. One rank: own rows unit by unit on [own_first, own_end), sized by
-// their unit copies at ROLE_COPIES_PER_WARP a warp (K copies a row), the padding on [pad_first,
-// grid) beside them. Several ranks: the group's blocks that do not lay out, [pad_first, pad_last),
-// zero the padding between the segments stamp and the group's barrier, which they would otherwise
-// wait at; past it every block, the senders too (their few rows went out before the barrier),
-// copies its share of the own rows and then one arrival batch (2x H200, T=128: the padding on 44
-// blocks after the stamp ended 6-8 us after the barrier, and the arrivals, drawn by ticket two
-// batches a block, ended last). A grid whose group all lays out does not split.
+// (the senders join by ticket once their rows are out). Decode sizes (`split`): the own rows fill
+// at most half of the group at ROLE_COPIES_PER_WARP unit copies a warp (ceil(K / W) copies a row:
+// uniform routing keeps K / W of a token's entries on each rank), and the steps are chains of
+// round trips more than bytes. One rank: own rows unit by unit on [own_first, own_end), as many
+// blocks as that sizing gives, the padding on [pad_first, grid) beside them. Several ranks: the
+// group's blocks that do not lay out, [pad_first, pad_last), zero the padding between the segments
+// stamp and the group's barrier, which they would otherwise wait at; past it every block, the
+// senders too (their few rows went out before the barrier), copies its share of the own rows and
+// then one arrival batch (2x H200, T=128: the padding on 44 blocks after the stamp ended 6-8 us
+// after the barrier, and the arrivals, drawn by ticket two batches a block, ended last). A group
+// whose every block lays out does not split.
 struct ExpandRoles {
     bool split;
-    int own_first;
+    int own_first;             // own rows unit by unit on [own_first, own_end) (split or replicated)
     int own_end;
-    int pad_first;
+    int pad_first;             // the padding on [pad_first, pad_last)
     int pad_last;
     int arrivals_first;        // the arrival group [arrivals_first, grid)
     int arrival_batch_blocks;  // the arrival batches are sized for this many blocks (expand_arrivals)
