@@ -493,10 +493,11 @@ __device__ __forceinline__ void dispatch_call(DISPATCH_PARAMS) {
     // on the group.
     if (replicated || roles.split) {
         if (block >= roles.own_first && block < roles.own_end) {
-            expand_own_units(roles.own_first, roles.own_end - roles.own_first, recv, static_cast<const u8*>(x),
-                             quantize != 0, packed_own, num_tokens, rank, max_tokens_per_rank,
-                             replicated ? shared.positions : recv_pos,
-                             replicated ? 0 : static_cast<i64>(rank) * max_tokens_per_rank, capacity_rows, out);
+            const ArrivalRows arrivals{s_peer[rank], s_tokens, chunk_tokens, epoch, status, timeout_ns};
+            expand_units<!kOneRank>(roles.own_first, roles.own_end - roles.own_first, arrivals, recv,
+                                    static_cast<const u8*>(x), quantize != 0, packed_own, num_tokens, rank, world,
+                                    max_tokens_per_rank, replicated ? shared.positions : recv_pos,
+                                    replicated ? 0 : static_cast<i64>(rank) * max_tokens_per_rank, capacity_rows, out);
         }
     } else if (block >= early) {
         expand_rows(batch, slab_rows(OWN_SLAB, rank, world, max_tokens_per_rank, grid - early), early, recv,
@@ -520,10 +521,10 @@ __device__ __forceinline__ void dispatch_call(DISPATCH_PARAMS) {
         zero_padding(s_end, s_pad, num_local_experts, capacity_rows, roles.pad_first, roles.pad_last,
                      kOneRank ? tickets : nullptr, out);
     }
-    if (!kOneRank) {
+    // The other ranks' rows, unless the own rows' units took them (decode sizes).
+    if (!kOneRank && !roles.split) {
         expand_arrivals(batch, s_peer[rank], s_tokens, rank, world, max_tokens_per_rank, chunk_tokens, epoch, status,
-                        timeout_ns, roles.arrivals_first, grid, roles.arrival_batch_blocks, tickets, recv, recv_pos,
-                        capacity_rows, out);
+                        timeout_ns, early, tickets, recv, recv_pos, capacity_rows, out);
     }
     end_call(call, state, SLOT_DISPATCH_EXPAND, s_peer, rank, world, CH_TO_DEST, copy_stride);
 }

@@ -89,26 +89,60 @@ __device__ __forceinline__ void copy_listed_rows(const RowBatch& batch, int list
     }
 }
 
-// Warp-wide, the warps of blocks [first_block, first_block + blocks): this rank's own rows t <
-// num_tokens unit by unit (unit u to warp u / blocks of block u % blocks, round after round: the
-// units spread over every block's store rate before any block takes a second), each warp
-// loading its row's K positions, row pos_row0 + t of `positions` [rows, K] (recv_pos [W * M, K]
-// written by the layout before a barrier, plain loads; or the block's own copy of the layout in
-// shared memory), alongside the unit. Decode sizes: no batch of positions, loaded by the block
-// before any row, stands between the layout and the rows.
-__device__ __forceinline__ void expand_own_units(int first_block, int blocks, const u8* recv, const u8* x,
-                                                 bool quantize_own, int packed_own, int num_tokens, int rank,
-                                                 int max_tokens_per_rank, const i32* positions, i64 pos_row0,
-                                                 int capacity_rows, u8* out) {
+// Where the rows of the other ranks' slabs land (expand_units): their chunk flags, in this rank's
+// allocation at `base`, and the T_s of every slab (s_tokens [W], load_slab_tokens).
+struct ArrivalRows {
+    i64 base;
+    const i32* s_tokens;
+    int chunk_tokens;
+    u64 epoch;
+    i64* status;
+    i64 timeout_ns;
+};
+
+// Warp-wide, the warps of blocks [first_block, first_block + blocks), at decode sizes: the units of
+// this rank's own rows t < num_tokens and then, with several ranks (kArrivals), those of the rows
+// t < T_s of every other slab s in increasing s, as one space of units (unit u to warp u / blocks
+// of block u % blocks, round after round: the units spread over every block's store rate, and
+// over all of a block's warps, before any warp takes a second). Each warp loads its row's K
+// positions alongside the unit: own row t at row pos_row0 + t of `positions` [rows, K] (recv_pos
+// [W * M, K], written by the layout before a barrier, plain loads; or, with one rank, the block's
+// own copy of the layout in shared memory), slab row g of another rank at row g of recv_pos; a
+// unit of another rank's row first waits for its chunk's flag. No batch of positions, loaded by
+// the block before any row, stands between the layout and the rows, and no block waits for the
+// rows of others before its own are out (2x H200, T=128: the own rows on 7 of each block's 16
+// warps and then one arrival batch a block, on 7 warps again, ended 3-6 us past the barrier).
+template <bool kArrivals>
+__device__ __forceinline__ void expand_units(int first_block, int blocks, const ArrivalRows& arrivals, const u8* recv,
+                                             const u8* x, bool quantize_own, int packed_own, int num_tokens, int rank,
+                                             int world, int max_tokens_per_rank, const i32* positions, i64 pos_row0,
+                                             int capacity_rows, u8* out) {
     typedef RowParts<EXPAND_VPL> Chunks;
     const int lane = threadIdx.x & 31;
     const i64 warps = blockDim.x >> 5;
-    const i64 units = static_cast<i64>(num_tokens) * Chunks::kPerRow;
+    i64 rows = num_tokens;
+    for (int s = 0; s < world && kArrivals; ++s) rows += s == rank ? 0 : arrivals.s_tokens[s];
+    const i64 units = rows * Chunks::kPerRow;
     for (i64 unit = (threadIdx.x >> 5) * blocks + (blockIdx.x - first_block); unit < units; unit += blocks * warps) {
-        const i64 t = unit / Chunks::kPerRow;
+        i64 t = unit / Chunks::kPerRow;
         const int chunk = static_cast<int>(unit % Chunks::kPerRow);
-        const int pos = lane < TOPK ? positions[(pos_row0 + t) * TOPK + lane] : -1;
-        copy_row_unit(static_cast<i64>(rank) * max_tokens_per_rank + t, chunk, pos,
+        int source = rank;
+        i64 pos_row = pos_row0 + t;
+        if (kArrivals && t >= num_tokens) {
+            t -= num_tokens;
+            source = rank == 0 ? 1 : 0;
+            while (t >= arrivals.s_tokens[source]) {
+                t -= arrivals.s_tokens[source];
+                source += source + 1 == rank ? 2 : 1;
+            }
+            pos_row = static_cast<i64>(source) * max_tokens_per_rank + t;
+            // Every lane acquires the flag: its own loads of the row come after its acquire.
+            wait_flag_geq(flag_at(arrivals.base, world, CH_TO_DEST, FLAG_CHUNK + static_cast<int>(t / arrivals.chunk_tokens),
+                                  source),
+                          arrivals.epoch, arrivals.status, TIMEOUT_TO_DEST_ARRIVAL, source, arrivals.timeout_ns);
+        }
+        const int pos = lane < TOPK ? positions[pos_row * TOPK + lane] : -1;
+        copy_row_unit(static_cast<i64>(source) * max_tokens_per_rank + t, chunk, pos,
                       [&](int k) { return __shfl_sync(FULL_MASK, pos, k); }, recv, x, quantize_own, packed_own,
                       num_tokens, rank, max_tokens_per_rank, capacity_rows, out);
     }
@@ -134,22 +168,20 @@ __device__ __forceinline__ i64 ticket_batch(u64* tickets, int handed_out) {
     return handed_out + static_cast<i64>(atomicAdd(tickets, 1ull));
 }
 
-// Block-wide, after the layout is visible: expand the rows the other ranks send, chunk by chunk
-// as they land. The rows t < T_s (s_tokens [W], load_slab_tokens) of every other slab s form
-// pieces p = c * (W - 1) + i (chunk c of the i-th other rank), numbered in that order and cut
-// into batches of consecutive rows, so the blocks sweep the chunks in the order the senders
-// complete them; before a batch, thread j waits for the chunk flag of row j. The batches are sized
-// so that each chunk's rows spread over `batch_blocks` blocks. The group, blocks [first_block,
-// last_block), takes one batch per block first, from its last block down (at decode sizes the own
-// rows go unit by unit from the first block up); the batches past those go by ticket (atomic adds
-// on `tickets`, zero at the call's start), to the group's blocks and to every other block that
-// calls this once its own work is done (senders whose rows are out, blocks of other roles), so
-// blocks that come late take fewer.
+// Block-wide, after the layout is visible, past decode sizes (expand_units takes them there):
+// expand the rows the other ranks send, chunk by chunk as they land. The rows t < T_s (s_tokens
+// [W], load_slab_tokens) of every other slab s form pieces p = c * (W - 1) + i (chunk c of the
+// i-th other rank), numbered in that order and cut into batches of consecutive rows, so the
+// blocks sweep the chunks in the order the senders complete them; before a batch, thread j waits
+// for the chunk flag of row j. The batches are sized so that each chunk's rows spread over the
+// group, blocks [first_block, gridDim.x), which takes one batch per block first; the batches
+// past those go by ticket (atomic adds on `tickets`, zero at the call's
+// start), to the group's blocks and to every other block that calls this once its own work is
+// done (senders whose rows are out), so blocks that come late take fewer.
 __device__ __forceinline__ void expand_arrivals(RowBatch& batch, i64 base, const i32* s_tokens, int rank, int world,
                                                 int max_tokens_per_rank, int chunk_tokens, u64 epoch, i64* status,
-                                                i64 timeout_ns, int first_block, int last_block, int batch_blocks,
-                                                u64* tickets, const u8* recv, const i32* recv_pos, int capacity_rows,
-                                                u8* out) {
+                                                i64 timeout_ns, int first_block, u64* tickets, const u8* recv,
+                                                const i32* recv_pos, int capacity_rows, u8* out) {
     __shared__ i64 s_next;  // the block's next batch
     __shared__ i32 s_piece[(MAX_WORLD - 1) * MAX_CHUNKS];  // rows of the pieces before p
     const int others = world - 1;
@@ -161,11 +193,11 @@ __device__ __forceinline__ void expand_arrivals(RowBatch& batch, i64 base, const
         return min(max(s_tokens[s] - (p / others) * chunk_tokens, 0), chunk_tokens);
     }, [&](int p, int rows, int inclusive) { s_piece[p] = inclusive - rows; });
 
-    // Batches small enough that every chunk's rows spread over batch_blocks blocks: the rows of
-    // the last chunk to land are what is left to expand after the transfer.
-    const int blocks = last_block - first_block;
+    // Batches small enough that every chunk's rows spread over the group: the rows of the last
+    // chunk to land are what is left to expand after the transfer.
+    const int blocks = gridDim.x - first_block;
     const i64 chunk_rows = imin64(total, static_cast<i64>(others) * chunk_tokens);
-    const i64 per_block = (chunk_rows + batch_blocks - 1) / batch_blocks;
+    const i64 per_block = (chunk_rows + blocks - 1) / blocks;
     const int rows = static_cast<int>(per_block < 1 ? 1 : (per_block > BATCH_ROWS ? BATCH_ROWS : per_block));
     // Piece p and slab row of virtual row v < total.
     auto locate = [&](i64 v, int& piece, int& source) -> i64 {
@@ -183,13 +215,13 @@ __device__ __forceinline__ void expand_arrivals(RowBatch& batch, i64 base, const
     };
     const i64 batches = (total + rows - 1) / rows;
     const bool ticketed = batches > blocks;
-    const bool in_group = static_cast<int>(blockIdx.x) >= first_block && static_cast<int>(blockIdx.x) < last_block;
+    const bool in_group = static_cast<int>(blockIdx.x) >= first_block;
     if (!in_group && !ticketed) return;
     if (!in_group) {
         if (threadIdx.x == 0) s_next = ticket_batch(tickets, blocks);
         __syncthreads();
     }
-    for (i64 q = in_group ? last_block - 1 - blockIdx.x : s_next; q < batches;) {
+    for (i64 q = in_group ? blockIdx.x - first_block : s_next; q < batches;) {
         // The next batch's ticket, drawn now: its round trip hides behind this batch.
         const i64 next = threadIdx.x == 0 && ticketed ? ticket_batch(tickets, blocks) : batches;
         if (threadIdx.x < rows && q * rows + threadIdx.x < total) {
@@ -264,7 +296,7 @@ __device__ __forceinline__ void zero_padding(const i32* s_end, const i32* s_pad,
     const i64 spread = (pad_units + static_cast<i64>(group) * warps - 1) / (static_cast<i64>(group) * warps);
     const i64 per_batch = static_cast<i64>(warps) * imin64(spread > 1 ? spread : 1, PAD_BATCH_UNITS);
     const i64 batches = (pad_units + per_batch - 1) / per_batch;
-    const bool in_group = static_cast<int>(blockIdx.x) >= first_block && static_cast<int>(blockIdx.x) < last_block;
+    const bool in_group = static_cast<int>(blockIdx.x) >= first_block;
     const bool ticketed = tickets != nullptr && batches > group;
     if (!in_group && !ticketed) return;
     Vec16 zeros[EXPAND_VPL];
@@ -312,19 +344,16 @@ __device__ __forceinline__ void zero_padding(const i32* s_end, const i32* s_pad,
 // round trips more than bytes. One rank: own rows unit by unit on [own_first, own_end), as many
 // blocks as that sizing gives, the padding on [pad_first, grid) beside them. Several ranks: the
 // group's blocks that do not lay out, [pad_first, pad_last), zero the padding between the segments
-// stamp and the group's barrier, which they would otherwise wait at; past it every block, the
-// senders too (their few rows went out before the barrier), copies its share of the own rows and
-// then one arrival batch (2x H200, T=128: the padding on 44 blocks after the stamp ended 6-8 us
-// after the barrier, and the arrivals, drawn by ticket two batches a block, ended last). A group
-// whose every block lays out does not split.
+// stamp and the group's barrier, which they would otherwise wait at (2x H200, T=128: the padding
+// on 44 blocks after the stamp ended 6-8 us after the barrier); past it every block, the senders
+// too (their few rows went out before the barrier), copies its share of the units of the own rows
+// and of the arrived ones (expand_units). A group whose every block lays out does not split.
 struct ExpandRoles {
     bool split;
-    int own_first;             // own rows unit by unit on [own_first, own_end) (split or replicated)
-    int own_end;
-    int pad_first;             // the padding on [pad_first, pad_last)
+    int own_first;  // own rows (and at decode sizes with several ranks the arrived ones) unit by unit on
+    int own_end;    // [own_first, own_end) (split or replicated)
+    int pad_first;  // the padding on [pad_first, pad_last)
     int pad_last;
-    int arrivals_first;        // the arrival group [arrivals_first, grid)
-    int arrival_batch_blocks;  // the arrival batches are sized for this many blocks (expand_arrivals)
 };
 
 // num_tokens: this rank's T; layout_first: the first block that lays out.
@@ -334,15 +363,14 @@ __device__ __forceinline__ ExpandRoles expand_roles(int early, int layout_first,
     const i64 unit_copies = static_cast<i64>(num_tokens) * RowParts<EXPAND_VPL>::kPerRow * ((TOPK + world - 1) / world);
     const i64 copy_warps = (unit_copies + ROLE_COPIES_PER_WARP - 1) / ROLE_COPIES_PER_WARP;
     const int own = static_cast<int>((copy_warps + warps - 1) / warps);
-    ExpandRoles roles{2 * own <= group && (world == 1 || layout_first > early), early, grid, early, grid, early, group};
+    ExpandRoles roles{2 * own <= group && (world == 1 || layout_first > early), early, grid, early, grid};
     if (!roles.split) return roles;
     if (world == 1) {
         roles.own_end = roles.pad_first = early + own;
         return roles;
     }
-    roles.own_first = roles.arrivals_first = 0;
+    roles.own_first = 0;
     roles.pad_last = layout_first;
-    roles.arrival_batch_blocks = grid;
     return roles;
 }
 
