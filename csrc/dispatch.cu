@@ -54,14 +54,14 @@
 //   arrivals (the same group, and the senders once their rows are out): the same copy for the rows
 //     the other ranks send, chunk by chunk as chunk_c[0][s] >= e says they have landed, so the
 //     expansion trails the transfer. Past one batch per block of the arrival group, batches go by
-//     ticket (state[STATE_CLAIM + (e & 1)], zeroed by the call before), so late blocks take fewer;
-//     at decode sizes the batches are sized for the whole grid, one a block, which every block
-//     takes once its own rows are out.
+//     ticket (state[STATE_CLAIM + (e & 1)], zeroed by the call before), so late blocks take fewer.
 //   Past decode sizes every block of the group copies own rows, zeroes padding, then takes arrival
 //   batches; at decode sizes (expand_roles) the blocks of the group that do not lay out zero the
 //   padding first, once the first layout block has stamped the segments, before the positions
 //   (they arrive at the group's barrier before it and wait for it after), and past the barrier
-//   every block, the senders too, copies its share of the own rows and then one arrival batch.
+//   every block, the senders too, copies its share of the units of the own rows and of the
+//   arrived rows, one space of units over every warp of the grid (expand_units; an arrived row's
+//   unit waits for its chunk flag).
 //   The call ends (end_call): the block counted in last at the start sets state.epoch[0] = e.
 //   (One copy:) instead every block counts itself done at the end, and the last one release-stores
 //   ack[0][R] = e into every source's flags, then sets state.epoch[0] = e.
@@ -426,16 +426,19 @@ __device__ __forceinline__ void dispatch_call(DISPATCH_PARAMS) {
     const bool replicated = kOneRank && num_tokens <= LAYOUT_ROWS_PER_BLOCK;
     const ExpandRoles roles = expand_roles(early, layout_first, grid, world, num_tokens);
     // FP8: this rank's rows t < packed_own were packed into its own slab, where the own expansion
-    // reads them; it quantizes the rest from x.
-    int packed_own = 0;
+    // reads them; it quantizes the rest from x. A replicated layout has no barrier to order packed
+    // rows before the own expansion: it packs none.
+#if FP8_ROWS
+    const int packed_own = quantize && !replicated ? min(num_tokens, FP8_PACK_OWN_MAX_TOKENS) : 0;
+#else
+    const int packed_own = 0;
+#endif
     if (block >= early) {
 #if FP8_ROWS
         // Own rows packed while the metadata travels and the layout runs, on the blocks that do not
         // lay out (all of the group when every one does); the barrier below orders them before the
-        // own expansion (a replicated layout has none: it packs nothing). With puts the senders
-        // stage rows in the same slab rows: the same bytes.
-        if (quantize && !replicated) {
-            packed_own = min(num_tokens, FP8_PACK_OWN_MAX_TOKENS);
+        // own expansion. With puts the senders stage rows in the same slab rows: the same bytes.
+        if (packed_own > 0) {
             const int packers_end = layout_first > early ? layout_first : grid;
             if (block < packers_end) {
                 const i64 warps_per_block = blockDim.x >> 5;
@@ -463,9 +466,6 @@ __device__ __forceinline__ void dispatch_call(DISPATCH_PARAMS) {
         // A sender beside an early group, its rows out: it helps expand, once the group's layout is
         // visible to it.
         load_slab_tokens(s_tokens, s_begin, entries, s_peer[rank], world, max_tokens_per_rank);
-#if FP8_ROWS
-        if (quantize) packed_own = min(num_tokens, FP8_PACK_OWN_MAX_TOKENS);
-#endif
     }
     // The segments are in shared memory (s_end, s_kept, s_pad: they overlay LayoutShared's per-warp
     // counts, no longer needed) when a block zeroes padding.
@@ -489,8 +489,8 @@ __device__ __forceinline__ void dispatch_call(DISPATCH_PARAMS) {
         wait_blocks(barrier_flags + grid, early, grid, epoch, status, rank, timeout_ns);
     }
 
-    // Own rows: unit by unit on the blocks of the roles' part (at decode sizes), else in batches
-    // on the group.
+    // Own rows: unit by unit on the blocks of the roles' part (at decode sizes; with several ranks
+    // the arrived rows' units with them), else in batches on the group.
     if (replicated || roles.split) {
         if (block >= roles.own_first && block < roles.own_end) {
             const ArrivalRows arrivals{s_peer[rank], s_tokens, chunk_tokens, epoch, status, timeout_ns};

@@ -265,13 +265,18 @@ __device__ __forceinline__ void load_segments(i32* s_end, i32* s_kept, i32* s_pa
     });
 }
 
-// segments() from this block's own layout (LayoutShared's totals and starts; s_end, s_kept and
-// s_pad may overlay its per-warp counts, which are no longer needed).
+// The end of local expert j's segment in this block's own layout (LayoutShared's totals and starts).
+__device__ __forceinline__ i32 layout_segment_end(const LayoutShared& shared, int j, int alignment, int capacity) {
+    return shared.start[j] + aligned_rows(min(shared.total[j], capacity), alignment);
+}
+
+// segments() from this block's own layout (s_end, s_kept and s_pad may overlay its per-warp
+// counts, which are no longer needed).
 __device__ __forceinline__ void layout_segments(i32* s_end, i32* s_kept, i32* s_pad, const LayoutShared& shared,
                                                 int num_local_experts, int alignment, int capacity) {
     segments(s_end, s_kept, s_pad, num_local_experts, [&](int j, i32& kept, i32& end) {
         kept = min(shared.total[j], capacity);
-        end = shared.start[j] + aligned_rows(kept, alignment);
+        end = layout_segment_end(shared, j, alignment, capacity);
     });
 }
 
@@ -380,7 +385,6 @@ __device__ __forceinline__ ExpandRoles expand_roles(int early, int layout_first,
 // not, and they end without building the segments.
 __device__ __forceinline__ bool own_blocks_join_padding(const LayoutShared& shared, int num_local_experts, int alignment,
                                                         int capacity, int pad_blocks) {
-    const int last = num_local_experts - 1;
-    const i64 rows = shared.start[last] + aligned_rows(min(shared.total[last], capacity), alignment);
+    const i64 rows = layout_segment_end(shared, num_local_experts - 1, alignment, capacity);
     return rows * RowParts<EXPAND_VPL>::kPerRow > static_cast<i64>(pad_blocks) * (blockDim.x >> 5) * PAD_BATCH_UNITS;
 }
