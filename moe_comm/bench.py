@@ -255,10 +255,14 @@ def _expert_rows(disp: Dispatcher, out) -> torch.Tensor:
     return disp.dequantize(out)
 
 
-def _moe_comm_step(disp: Dispatcher, inputs: tuple) -> torch.Tensor:
-    """Dispatch ``inputs`` (x, topk_idx, topk_weights), identity experts, combine: ``z [T, H]``."""
+def _moe_comm_step(disp: Dispatcher, inputs: tuple, fixed_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Dispatch ``inputs`` (x, topk_idx, topk_weights), identity experts, combine: ``z [T, H]``.
+
+    ``fixed_rows``: the experts' output rows ``[capacity_rows, H]`` to combine instead of this
+    dispatch's rows (FP8 dispatch: the rows of an earlier call, dequantized once, so the timed step
+    is the communication and not the identity experts' dequantization pass)."""
     out = disp.dispatch(*inputs)
-    return disp.combine(_expert_rows(disp, out), out.handle)
+    return disp.combine(_expert_rows(disp, out) if fixed_rows is None else fixed_rows, out.handle)
 
 
 def _config(options: BenchOptions, work: _Workload, sm_budget: Optional[int], dispatch_dtype: Optional[str] = None,
@@ -277,7 +281,9 @@ def _measure_moe_comm(options: BenchOptions, work: _Workload, group, sm_budget: 
     """Times (per mode), the combine error and the bytes of one workload on moe_comm.
 
     ``dispatch_dtype``: the config's (FP8 dispatch quantizes the bf16 inputs inside the timed
-    dispatch; the identity experts dequantize, outside the dispatch and combine times).
+    dispatch; the identity experts dequantize, outside the timed steps: dispatch+combine combines
+    the rows of the first call, dequantized once, as an expert GEMM that takes FP8 would hand
+    combine its own output).
     ``num_sms``: the senders (None: ``options.num_sms``).
     """
     cfg = _config(options, work, sm_budget, dispatch_dtype, num_sms)
@@ -288,6 +294,7 @@ def _measure_moe_comm(options: BenchOptions, work: _Workload, group, sm_budget: 
         out = disp.dispatch(*work.static)
         expert_rows = _expert_rows(disp, out)
         result["error"] = _close(disp.combine(expert_rows, out.handle), _expected(x, weights))
+        fixed_rows = None if dispatch_dtype is None else expert_rows
         routing = out.handle.routing
         others = torch.ones(disp.world_size, dtype=torch.bool, device=disp.device)
         others[disp.rank] = False
@@ -306,13 +313,13 @@ def _measure_moe_comm(options: BenchOptions, work: _Workload, group, sm_budget: 
         result["eager"] = {
             "dispatch_us": timer.median_us(eager_dispatch, _no_prepare, calls=EAGER_CALLS),
             "combine_us": timer.median_us(eager_combine, _no_prepare, calls=EAGER_CALLS),
-            "total_us": timer.median_us(lambda: _moe_comm_step(disp, work.next_set()), _no_prepare,
+            "total_us": timer.median_us(lambda: _moe_comm_step(disp, work.next_set(), fixed_rows), _no_prepare,
                                         calls=EAGER_CALLS),
         }
         if graphs and disp.device.type == "cuda":
             graph_d, graph_out = _graph(disp.device, lambda: disp.dispatch(*work.static))
             graph_c, _ = _graph(disp.device, lambda: disp.combine(expert_rows, graph_out.handle))
-            graph_all, _ = _graph(disp.device, lambda: _moe_comm_step(disp, work.static))
+            graph_all, _ = _graph(disp.device, lambda: _moe_comm_step(disp, work.static, fixed_rows))
             result["graph"] = {
                 "dispatch_us": timer.median_us(graph_d.replay, work.load, replay=True),
                 "combine_us": timer.median_us(graph_c.replay, _no_prepare, replay=True),
