@@ -178,6 +178,31 @@ def test_bench_rows_and_files(tmp_path):
     assert {p.suffix for p in written} >= {".json", ".md"}
 
 
+def _dequantize_calls(rank: int, world: int, options: BenchOptions, dispatch_dtype) -> int:
+    """How often one workload's measurement dequantizes dispatch outputs (Dispatcher.dequantize)."""
+    from moe_comm.dispatcher import Dispatcher
+    calls = {"n": 0}
+    dequantize = Dispatcher.dequantize
+
+    def counted(self, out):
+        calls["n"] += 1
+        return dequantize(self, out)
+
+    Dispatcher.dequantize = counted
+    work = bench._Workload(options, 4, "uniform", rank, torch.device("cpu"))
+    bench._measure_moe_comm(options, work, None, None, graphs=False, dispatch_dtype=dispatch_dtype)
+    return calls["n"]
+
+
+def test_fp8_dispatch_combine_leaves_the_identity_experts_dequantization_out():
+    # The FP8 row's timed steps combine the first call's rows, dequantized once (for the error
+    # check); a config-dtype row takes out.x from every dispatch, through the same method.
+    options = BenchOptions(tokens=(4,), routings=("uniform",), hidden=128, num_experts=4, topk=2,
+                           dtype="float32", backend="reference", repeats=2, warmup=1)
+    assert run_ranks(_dequantize_calls, 2, options, "float8_e4m3fn") == [1, 1]
+    assert all(n > 1 for n in run_ranks(_dequantize_calls, 2, options, None))
+
+
 def test_cpu_defaults_are_a_smoke_run_and_flags_win():
     # Without GPUs the GPU workload ran for over 12 minutes; the CPU defaults must stay small.
     options = bench._options(bench._parser().parse_args([]), gpus=0)
