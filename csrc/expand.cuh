@@ -287,7 +287,9 @@ __device__ __forceinline__ void layout_segments(i32* s_end, i32* s_kept, i32* s_
 // group, blocks [first_block, last_block), takes one batch per block first; with `tickets` (zero at
 // the call's start) the batches past those go by ticket, to the group and to every other block
 // that calls this once its own work is done, so blocks that come late take fewer; without, each
-// block of the group takes every group-th batch.
+// block of the group takes every group-th batch. The blocks that call it are the group's and, with
+// tickets, blocks before first_block: a block at or past last_block would count as the group's
+// (its batches zeroed twice).
 __device__ __forceinline__ void zero_padding(const i32* s_end, const i32* s_pad, int num_local_experts, int capacity_rows,
                                              int first_block, int last_block, u64* tickets, u8* out) {
     typedef RowParts<EXPAND_VPL> Chunks;
