@@ -493,11 +493,10 @@ __device__ __forceinline__ void dispatch_call(DISPATCH_PARAMS) {
     // the arrived rows' units with them), else in batches on the group.
     if (replicated || roles.split) {
         if (block >= roles.own_first && block < roles.own_end) {
-            const ArrivalRows arrivals{s_peer[rank], s_tokens, chunk_tokens, epoch, status, timeout_ns};
-            expand_units<!kOneRank>(roles.own_first, roles.own_end - roles.own_first, arrivals, recv,
+            const ArrivalRows arrivals{s_peer[rank], chunk_tokens, epoch, status, timeout_ns};
+            expand_units<!kOneRank>(roles.own_first, roles.own_end - roles.own_first, arrivals, s_begin, recv,
                                     static_cast<const u8*>(x), quantize != 0, packed_own, num_tokens, rank, world,
-                                    max_tokens_per_rank, replicated ? shared.positions : recv_pos,
-                                    replicated ? 0 : static_cast<i64>(rank) * max_tokens_per_rank, capacity_rows, out);
+                                    max_tokens_per_rank, replicated ? shared.positions : recv_pos, capacity_rows, out);
         }
     } else if (block >= early) {
         expand_rows(batch, slab_rows(OWN_SLAB, rank, world, max_tokens_per_rank, grid - early), early, recv,

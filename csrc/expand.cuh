@@ -90,10 +90,9 @@ __device__ __forceinline__ void copy_listed_rows(const RowBatch& batch, int list
 }
 
 // Where the rows of the other ranks' slabs land (expand_units): their chunk flags, in this rank's
-// allocation at `base`, and the T_s of every slab (s_tokens [W], load_slab_tokens).
+// allocation at `base`.
 struct ArrivalRows {
     i64 base;
-    const i32* s_tokens;
     int chunk_tokens;
     u64 epoch;
     i64* status;
@@ -101,48 +100,41 @@ struct ArrivalRows {
 };
 
 // Warp-wide, the warps of blocks [first_block, first_block + blocks), at decode sizes: the units of
-// this rank's own rows t < num_tokens and then, with several ranks (kArrivals), those of the rows
-// t < T_s of every other slab s in increasing s, as one space of units (unit u to warp u / blocks
-// of block u % blocks, round after round: the units spread over every block's store rate, and
-// over all of a block's warps, before any warp takes a second). Each warp loads its row's K
-// positions alongside the unit: own row t at row pos_row0 + t of `positions` [rows, K] (recv_pos
-// [W * M, K], written by the layout before a barrier, plain loads; or, with one rank, the block's
-// own copy of the layout in shared memory), slab row g of another rank at row g of recv_pos; a
-// unit of another rank's row first waits for its chunk's flag. No batch of positions, loaded by
-// the block before any row, stands between the layout and the rows, and no block waits for the
-// rows of others before its own are out (2x H200, T=128: the own rows on 7 of each block's 16
-// warps and then one arrival batch a block, on 7 warps again, ended 3-6 us past the barrier).
+// the rows t < T_s of every slab s (s_begin [W + 1], load_slab_tokens) as one space of units, this
+// rank's own rows first and then the other slabs in the order of their virtual rows, wrapping
+// around (unit u to warp u / blocks of block u % blocks, round after round: the units spread over
+// every block's store rate, and over all of a block's warps, before any warp takes a second).
+// Each warp loads its row's K positions alongside the unit, slab row g at row g of `positions`
+// (recv_pos [W * M, K], written by the layout before a barrier, plain loads; or, with one rank,
+// the block's own copy of the layout in shared memory, where g = t); with several ranks
+// (kArrivals) a unit of another rank's row first waits for its chunk's flag. No batch of
+// positions, loaded by the block before any row, stands between the layout and the rows, and no
+// block waits for the rows of others before its own are out (2x H200, T=128: the own rows on 7 of
+// each block's 16 warps and then one arrival batch a block, on 7 warps again, ended 3-6 us past
+// the barrier).
 template <bool kArrivals>
-__device__ __forceinline__ void expand_units(int first_block, int blocks, const ArrivalRows& arrivals, const u8* recv,
-                                             const u8* x, bool quantize_own, int packed_own, int num_tokens, int rank,
-                                             int world, int max_tokens_per_rank, const i32* positions, i64 pos_row0,
-                                             int capacity_rows, u8* out) {
+__device__ __forceinline__ void expand_units(int first_block, int blocks, const ArrivalRows& arrivals, const i64* s_begin,
+                                             const u8* recv, const u8* x, bool quantize_own, int packed_own,
+                                             int num_tokens, int rank, int world, int max_tokens_per_rank,
+                                             const i32* positions, int capacity_rows, u8* out) {
     typedef RowParts<EXPAND_VPL> Chunks;
     const int lane = threadIdx.x & 31;
     const i64 warps = blockDim.x >> 5;
-    i64 rows = num_tokens;
-    for (int s = 0; s < world && kArrivals; ++s) rows += s == rank ? 0 : arrivals.s_tokens[s];
+    const i64 rows = s_begin[world];
     const i64 units = rows * Chunks::kPerRow;
     for (i64 unit = (threadIdx.x >> 5) * blocks + (blockIdx.x - first_block); unit < units; unit += blocks * warps) {
-        i64 t = unit / Chunks::kPerRow;
-        const int chunk = static_cast<int>(unit % Chunks::kPerRow);
-        int source = rank;
-        i64 pos_row = pos_row0 + t;
-        if (kArrivals && t >= num_tokens) {
-            t -= num_tokens;
-            source = rank == 0 ? 1 : 0;
-            while (t >= arrivals.s_tokens[source]) {
-                t -= arrivals.s_tokens[source];
-                source += source + 1 == rank ? 2 : 1;
-            }
-            pos_row = static_cast<i64>(source) * max_tokens_per_rank + t;
+        i64 v = unit / Chunks::kPerRow + s_begin[rank];
+        if (v >= rows) v -= rows;
+        const i64 g = slab_row_of(s_begin, world, max_tokens_per_rank, v);
+        const int source = static_cast<int>(g / max_tokens_per_rank);
+        if (kArrivals && source != rank) {
+            const int t = static_cast<int>(g - static_cast<i64>(source) * max_tokens_per_rank);
             // Every lane acquires the flag: its own loads of the row come after its acquire.
-            wait_flag_geq(flag_at(arrivals.base, world, CH_TO_DEST, FLAG_CHUNK + static_cast<int>(t / arrivals.chunk_tokens),
-                                  source),
+            wait_flag_geq(flag_at(arrivals.base, world, CH_TO_DEST, FLAG_CHUNK + t / arrivals.chunk_tokens, source),
                           arrivals.epoch, arrivals.status, TIMEOUT_TO_DEST_ARRIVAL, source, arrivals.timeout_ns);
         }
-        const int pos = lane < TOPK ? positions[pos_row * TOPK + lane] : -1;
-        copy_row_unit(static_cast<i64>(source) * max_tokens_per_rank + t, chunk, pos,
+        const int pos = lane < TOPK ? positions[g * TOPK + lane] : -1;
+        copy_row_unit(g, static_cast<int>(unit % Chunks::kPerRow), pos,
                       [&](int k) { return __shfl_sync(FULL_MASK, pos, k); }, recv, x, quantize_own, packed_own,
                       num_tokens, rank, max_tokens_per_rank, capacity_rows, out);
     }
@@ -287,9 +279,7 @@ __device__ __forceinline__ void layout_segments(i32* s_end, i32* s_kept, i32* s_
 // group, blocks [first_block, last_block), takes one batch per block first; with `tickets` (zero at
 // the call's start) the batches past those go by ticket, to the group and to every other block
 // that calls this once its own work is done, so blocks that come late take fewer; without, each
-// block of the group takes every group-th batch. The blocks that call it are the group's and, with
-// tickets, blocks before first_block: a block at or past last_block would count as the group's
-// (its batches zeroed twice).
+// block of the group takes every group-th batch.
 __device__ __forceinline__ void zero_padding(const i32* s_end, const i32* s_pad, int num_local_experts, int capacity_rows,
                                              int first_block, int last_block, u64* tickets, u8* out) {
     typedef RowParts<EXPAND_VPL> Chunks;
@@ -303,7 +293,7 @@ __device__ __forceinline__ void zero_padding(const i32* s_end, const i32* s_pad,
     const i64 spread = (pad_units + static_cast<i64>(group) * warps - 1) / (static_cast<i64>(group) * warps);
     const i64 per_batch = static_cast<i64>(warps) * imin64(spread > 1 ? spread : 1, PAD_BATCH_UNITS);
     const i64 batches = (pad_units + per_batch - 1) / per_batch;
-    const bool in_group = static_cast<int>(blockIdx.x) >= first_block;
+    const bool in_group = static_cast<int>(blockIdx.x) >= first_block && static_cast<int>(blockIdx.x) < last_block;
     const bool ticketed = tickets != nullptr && batches > group;
     if (!in_group && !ticketed) return;
     Vec16 zeros[EXPAND_VPL];
