@@ -39,8 +39,8 @@
 //   * state        u64 [STATE_WORDS], local (not symmetric): [STATE_EPOCH + channel] epoch of the
 //                  last completed operation on that channel; [STATE_DONE + slot] done-counters of
 //                  the last-block pattern (SLOT_*); [STATE_CHUNK_DONE + c] those of dispatch's chunks;
-//                  [STATE_CLAIM + (epoch & 1)] dispatch's arrival batch tickets (expand_arrivals; at
-//                  one rank its padding's, zero_padding).
+//                  [STATE_CLAIM + 2 * claim + (epoch & 1)] dispatch's batch tickets of its arrivals
+//                  (CLAIM_ARRIVALS, expand_arrivals) and of its padding (CLAIM_PADDING, zero_padding).
 //   * timeout phases: TIMEOUT_*, recorded by spin_until (wait_flag_geq, wait_tagged).
 #pragma once
 

@@ -46,22 +46,25 @@
 //     dropped, pos -2, counted with the smallest (s << 32 | t)), aligns the segments, and writes
 //     recv_pos [W, M, K], recv_weight [W, M, K], expert_offsets [L], tokens_per_expert [L]: exactly
 //     moe_comm.routing.plan_destination.
+//   padding: every segment's padding rows [start_j + n_j, end_j) are zeroed (rows at or past
+//     expert_offsets[-1] are not touched), evict-first in L2 (nothing reads them before the
+//     experts; the rows combine reads next stay). Where the group has blocks that do not lay out,
+//     they zero it before the group's barrier, once the first layout block has stamped the
+//     segments (they arrive at the barrier before it and wait for it after; past decode sizes the
+//     layout blocks join by ticket once their layout is done, state[STATE_CLAIM + 2 * CLAIM_PADDING
+//     + (e & 1)]); else the group zeroes it after the own rows.
 //   own expansion (the same group after a barrier of it; at decode sizes with several ranks the
-//     senders too, and the padding before the barrier): copies each of R's own rows (from x)
-//     to the out_x row of each of its kept entries and zeroes every segment's padding rows
-//     [start_j + n_j, end_j) (rows at or past expert_offsets[-1] are not touched), evict-first in
-//     L2 (nothing reads them before the experts; the rows combine reads next stay).
+//     senders too): copies each of R's own rows (from x) to the out_x row of each of its kept
+//     entries.
 //   arrivals (the same group, and the senders once their rows are out): the same copy for the rows
 //     the other ranks send, chunk by chunk as chunk_c[0][s] >= e says they have landed, so the
 //     expansion trails the transfer. Past one batch per block of the arrival group, batches go by
-//     ticket (state[STATE_CLAIM + (e & 1)], zeroed by the call before), so late blocks take fewer.
-//   Past decode sizes every block of the group copies own rows, zeroes padding, then takes arrival
-//   batches; at decode sizes (expand_roles) the blocks of the group that do not lay out zero the
-//   padding first, once the first layout block has stamped the segments, before the positions
-//   (they arrive at the group's barrier before it and wait for it after), and past the barrier
-//   every block, the senders too, copies its share of the units of the own rows and of the
-//   arrived rows, one space of units over every warp of the grid (expand_units; an arrived row's
-//   unit waits for its chunk flag).
+//     ticket (state[STATE_CLAIM + 2 * CLAIM_ARRIVALS + (e & 1)], zeroed by the call before), so
+//     late blocks take fewer.
+//   Past decode sizes every block of the group copies own rows, then takes arrival batches; at
+//   decode sizes (expand_roles) past the barrier every block, the senders too, copies its share
+//   of the units of the own rows and of the arrived rows, one space of units over every warp of
+//   the grid (expand_units; an arrived row's unit waits for its chunk flag).
 //   The call ends (end_call): the block counted in last at the start sets state.epoch[0] = e.
 //   (One copy:) instead every block counts itself done at the end, and the last one release-stores
 //   ack[0][R] = e into every source's flags, then sets state.epoch[0] = e.
@@ -72,8 +75,7 @@
 // all out for itself, keeping the positions in shared memory, and copies its part of the own rows
 // and padding with no barrier; one block writes the outputs (LayoutScope). The padding blocks stop
 // the layout at the segments (no positions), and their batches past one per block go by ticket
-// (the arrivals' words, unused at one rank), to them and to the own-row blocks once their rows are
-// out.
+// (the padding's words), to them and to the own-row blocks once their rows are out.
 // FP8 dispatch runs a build with FP8_ROWS (common.cuh): slabs and out_x hold packed FP8 rows, and
 // with `quantize` the send and own-expansion phases build them from config-dtype x as they go
 // ("FP8 rows from DTYPE rows" below); without it x holds packed rows, copied like any rows.
@@ -347,13 +349,20 @@ __device__ __forceinline__ void send_rows(const i64* s_peer, int rank, int world
 
 // ---------------------------------------------------------------------------------- kernels
 
-// This call's arrival batch tickets (expand_arrivals), state[STATE_CLAIM + (epoch & 1)]; block 0
-// zeroes the other parity's word for the next call on the channel, whichever kernel it is. The
-// previous call, which used that word, has ended (calls of one backend run in stream order), and
-// this one's word was zeroed by the previous call's start.
-__device__ __forceinline__ u64* next_call_tickets_zeroed(u64* state, u64 epoch) {
-    if (blockIdx.x == 0 && threadIdx.x == 0) state[STATE_CLAIM + ((epoch + 1) & 1)] = 0;
-    return state + STATE_CLAIM + (epoch & 1);
+// This call's batch tickets of `claim` (CLAIM_ARRIVALS: expand_arrivals; CLAIM_PADDING:
+// zero_padding), state[STATE_CLAIM + 2 * claim + (epoch & 1)], zeroed by the previous call's start
+// (zero_next_call_tickets).
+__device__ __forceinline__ u64* call_tickets(u64* state, u64 epoch, int claim) {
+    return state + STATE_CLAIM + 2 * claim + (epoch & 1);
+}
+
+// Block 0 zeroes the other parity's ticket words for the next call on the channel, whichever kernel
+// it is: the previous call, which used them, has ended (calls of one backend run in stream order).
+__device__ __forceinline__ void zero_next_call_tickets(u64* state, u64 epoch) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        *call_tickets(state, epoch + 1, CLAIM_ARRIVALS) = 0;
+        *call_tickets(state, epoch + 1, CLAIM_PADDING) = 0;
+    }
 }
 
 // The parameters of both dispatch kernels (below), and their names.
@@ -386,7 +395,7 @@ __device__ __forceinline__ void dispatch_call(DISPATCH_PARAMS) {
     __shared__ RowBatch batch;
     const Call call = begin_call(s_peer, peers, world, state, CH_TO_DEST, true, SLOT_DISPATCH_EXPAND, copy_stride);
     const u64 epoch = call.epoch;
-    u64* tickets = next_call_tickets_zeroed(state, epoch);
+    zero_next_call_tickets(state, epoch);
     off_meta += slab_copy(epoch, copy_stride);
     off_recv_x += slab_copy(epoch, copy_stride);
     const int grid = gridDim.x;
@@ -424,7 +433,7 @@ __device__ __forceinline__ void dispatch_call(DISPATCH_PARAMS) {
     // With one rank, rows that fit one layout block are laid out by every block for itself: no
     // barrier (LayoutScope).
     const bool replicated = kOneRank && num_tokens <= LAYOUT_ROWS_PER_BLOCK;
-    const ExpandRoles roles = expand_roles(early, layout_first, grid, world, num_tokens);
+    const ExpandRoles roles = expand_roles(early, layout_first, grid, world, num_tokens, replicated);
     // FP8: this rank's rows t < packed_own were packed into its own slab, where the own expansion
     // reads them; it quantizes the rest from x. A replicated layout has no barrier to order packed
     // rows before the own expansion: it packs none.
@@ -460,7 +469,7 @@ __device__ __forceinline__ void dispatch_call(DISPATCH_PARAMS) {
                 : LayoutScope{b, layout_blocks, b, layout_blocks, true, false};
             layout_entries(shared, entries, s_tokens, s_begin, rank, world, max_tokens_per_rank, epoch, status, timeout_ns,
                            num_local_experts, alignment, capacity, scope, recv_pos, recv_weight, expert_offsets,
-                           tokens_per_expert, block_counts, barrier_flags, kOneRank ? nullptr : segments_stamp);
+                           tokens_per_expert, block_counts, barrier_flags, replicated ? nullptr : segments_stamp);
         }
     } else if (!kOneRank) {
         // A sender beside an early group, its rows out: it helps expand, once the group's layout is
@@ -472,16 +481,20 @@ __device__ __forceinline__ void dispatch_call(DISPATCH_PARAMS) {
     i32* s_end = smem;
     i32* s_kept = smem + num_local_experts;
     i32* s_pad = smem + 2 * num_local_experts;
-    // Several ranks at decode sizes: the padding needs only the segments, which the first layout
-    // block stamps before its pass 2, so the blocks of the group that do not lay out arrive at the
-    // group's barrier (what they packed is then ordered before the own rows), zero the padding while
-    // the layout ends, and then wait for the group, whose positions the row copies need.
-    const bool pads_first = !kOneRank && roles.split && block >= roles.pad_first && block < roles.pad_last;
+    // The padding needs only the segments, which the first layout block stamps before its pass 2.
+    // Where blocks of the group do not lay out (roles.pads_first), they arrive at the group's barrier
+    // (what they packed is then ordered before the own rows), zero the padding while the layout
+    // ends, and then wait for the group, whose positions the row copies need. At decode sizes on
+    // several ranks they zero all of it, a static share each; past them the layout blocks, their
+    // layout done, join by ticket, so the padding fills the layout's window, where HBM is idle.
+    const bool pads_first = roles.pads_first && block >= roles.pad_first &&
+                            (block < roles.pad_last || (!roles.split && block >= layout_first));
     if (pads_first) {
         arrive_blocks(barrier_flags + grid, block, epoch);
         wait_blocks(segments_stamp, 0, 1, epoch, status, rank, timeout_ns);
         load_segments(s_end, s_kept, s_pad, expert_offsets, tokens_per_expert, num_local_experts);
-        zero_padding(s_end, s_pad, num_local_experts, capacity_rows, roles.pad_first, roles.pad_last, nullptr, out);
+        zero_padding(s_end, s_pad, num_local_experts, capacity_rows, roles.pad_first, roles.pad_last,
+                     roles.split ? nullptr : call_tickets(state, epoch, CLAIM_PADDING), out);
         wait_blocks(barrier_flags + grid, early, grid, epoch, status, rank, timeout_ns);
     } else if (block >= early && !replicated) {
         blocks_barrier(barrier_flags + grid, block, early, grid, epoch, status, rank, timeout_ns);
@@ -505,7 +518,7 @@ __device__ __forceinline__ void dispatch_call(DISPATCH_PARAMS) {
     }
     // The padding after the own rows, unless it went first. One rank: the own-row blocks of a split
     // join it by ticket once their rows are out.
-    const bool pads_after = !pads_first && ((block >= roles.pad_first && block < roles.pad_last) ||
+    const bool pads_after = !roles.pads_first && ((block >= roles.pad_first && block < roles.pad_last) ||
                                             (replicated && own_blocks_join_padding(shared, num_local_experts,
                                                                                    alignment, capacity,
                                                                                    grid - roles.pad_first)));
@@ -518,12 +531,13 @@ __device__ __forceinline__ void dispatch_call(DISPATCH_PARAMS) {
             load_segments(s_end, s_kept, s_pad, expert_offsets, tokens_per_expert, num_local_experts);
         }
         zero_padding(s_end, s_pad, num_local_experts, capacity_rows, roles.pad_first, roles.pad_last,
-                     kOneRank ? tickets : nullptr, out);
+                     kOneRank ? call_tickets(state, epoch, CLAIM_PADDING) : nullptr, out);
     }
     // The other ranks' rows, unless the own rows' units took them (decode sizes).
     if (!kOneRank && !roles.split) {
         expand_arrivals(batch, s_peer[rank], s_tokens, rank, world, max_tokens_per_rank, chunk_tokens, epoch, status,
-                        timeout_ns, early, tickets, recv, recv_pos, capacity_rows, out);
+                        timeout_ns, early, call_tickets(state, epoch, CLAIM_ARRIVALS), recv, recv_pos, capacity_rows,
+                        out);
     }
     end_call(call, state, SLOT_DISPATCH_EXPAND, s_peer, rank, world, CH_TO_DEST, copy_stride);
 }
@@ -546,7 +560,7 @@ extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) redispatch(
     __shared__ RowBatch batch;
     const Call call = begin_call(s_peer, peers, world, state, CH_TO_DEST, true, SLOT_DISPATCH_EXPAND, copy_stride);
     const u64 epoch = call.epoch;
-    next_call_tickets_zeroed(state, epoch);
+    zero_next_call_tickets(state, epoch);
     off_recv_x += slab_copy(epoch, copy_stride);
 
     if (blockIdx.x == 0 && world > 1) send_count_every_rank(s_peer, rank, world, epoch, num_tokens);

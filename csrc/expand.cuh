@@ -333,41 +333,52 @@ __device__ __forceinline__ void zero_padding(const i32* s_end, const i32* s_pad,
     }
 }
 
-// Who expands what around the early group's layout barrier. Past decode sizes every block of the
-// group [early, grid) copies own rows in batches, then zeroes padding, then takes arrival batches
-// (the senders join by ticket once their rows are out). Decode sizes (`split`): the own rows fill
-// at most half of the group at ROLE_COPIES_PER_WARP unit copies a warp (ceil(K / W) copies a row:
+// Who expands what around the early group's layout barrier. The padding needs only the segments,
+// so where the group has blocks that do not lay out (the layout blocks are its last), those zero it
+// before the barrier (`pads_first`, [pad_first, pad_last) = [early, layout_first)): at decode sizes
+// on several ranks they alone (2x H200, T=128: the padding on 44 blocks after the segments stamp
+// ended 6-8 us after the barrier), past decode sizes with the layout blocks joining by ticket once
+// their layout is done (one H200, graph: dispatch T=4096 170.0 -> 168.0 us, FP8 T=512 26.4 ->
+// 23.8). Past decode sizes every block of the group then copies own rows in batches (and zeroes
+// padding after them when the padding did not go first), then takes arrival batches (the
+// senders join by ticket once their rows are out). Decode sizes (`split`): the own rows fill at
+// most half of the group at ROLE_COPIES_PER_WARP unit copies a warp (ceil(K / W) copies a row:
 // uniform routing keeps K / W of a token's entries on each rank), and the steps are chains of
-// round trips more than bytes. One rank: own rows unit by unit on [own_first, own_end), as many
-// blocks as that sizing gives, the padding on [pad_first, grid) beside them. Several ranks: the
-// group's blocks that do not lay out, [pad_first, pad_last), zero the padding between the segments
-// stamp and the group's barrier, which they would otherwise wait at (2x H200, T=128: the padding
-// on 44 blocks after the stamp ended 6-8 us after the barrier); past it every block, the senders
-// too (their few rows went out before the barrier), copies its share of the units of the own rows
-// and of the arrived ones (expand_units). A group whose every block lays out does not split.
+// round trips more than bytes. One rank (a replicated layout): own rows unit by unit on
+// [own_first, own_end), as many blocks as that sizing gives, the padding on [pad_first, grid)
+// beside them. Several ranks: past the barrier every block, the senders too (their few rows went
+// out before it), copies its share of the units of the own rows and of the arrived ones
+// (expand_units). A group whose every block lays out does not split.
 struct ExpandRoles {
     bool split;
+    bool pads_first;  // the padding goes before the group's barrier, on [pad_first, pad_last) first
     int own_first;  // own rows (and at decode sizes with several ranks the arrived ones) unit by unit on
     int own_end;    // [own_first, own_end) (split or replicated)
     int pad_first;  // the padding on [pad_first, pad_last)
     int pad_last;
 };
 
-// num_tokens: this rank's T; layout_first: the first block that lays out.
-__device__ __forceinline__ ExpandRoles expand_roles(int early, int layout_first, int grid, int world, int num_tokens) {
+// num_tokens: this rank's T; layout_first: the first block that lays out; replicated: one rank at
+// decode sizes, every block laying out for itself (no barrier).
+__device__ __forceinline__ ExpandRoles expand_roles(int early, int layout_first, int grid, int world, int num_tokens,
+                                                    bool replicated) {
     const i64 warps = blockDim.x >> 5;
     const int group = grid - early;
     const i64 unit_copies = static_cast<i64>(num_tokens) * RowParts<EXPAND_VPL>::kPerRow * ((TOPK + world - 1) / world);
     const i64 copy_warps = (unit_copies + ROLE_COPIES_PER_WARP - 1) / ROLE_COPIES_PER_WARP;
     const int own = static_cast<int>((copy_warps + warps - 1) / warps);
-    ExpandRoles roles{2 * own <= group && (world == 1 || layout_first > early), early, grid, early, grid};
+    const bool split = 2 * own <= group && (world == 1 ? replicated : layout_first > early);
+    // Past decode sizes only where at least half of the group is free in the layout's window: on
+    // fewer blocks the padding would push the own rows' static batches to the end and lose its
+    // tickets' balancing of the tail (one H200, 24 SMs, 8 of them free: T=4096 dispatch 388 -> 406-410 us).
+    const bool pads_first = !replicated && layout_first > early && (split || 2 * (layout_first - early) >= group);
+    ExpandRoles roles{split, pads_first, early, grid, early, pads_first ? layout_first : grid};
     if (!roles.split) return roles;
     if (world == 1) {
         roles.own_end = roles.pad_first = early + own;
         return roles;
     }
     roles.own_first = 0;
-    roles.pad_last = layout_first;
     return roles;
 }
 

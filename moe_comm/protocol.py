@@ -51,6 +51,8 @@ __all__ = [
     "STATE_DONE",
     "STATE_CHUNK_DONE",
     "STATE_CLAIM",
+    "CLAIM_ARRIVALS",
+    "CLAIM_PADDING",
     "STATE_WORDS",
     "SLOT_REDISPATCH_SEND",
     "SLOT_DISPATCH_EXPAND",
@@ -137,13 +139,15 @@ TIMEOUT_PHASES = {
 # Local (not symmetric) state, u64 [STATE_WORDS] per backend: state[STATE_EPOCH + channel] is the
 # epoch of the last completed call on the channel, state[STATE_DONE + slot] the done-counter of
 # the last-block pattern of a phase, state[STATE_CHUNK_DONE + c] (c < MAX_CHUNKS) that of
-# dispatch's chunk c, state[STATE_CLAIM + (epoch & 1)] the batch tickets of dispatch's arrivals (at
-# one rank, where nothing arrives, of its zero padding) at that epoch parity (each dispatch or
-# redispatch zeroes the next call's word when it starts).
+# dispatch's chunk c, state[STATE_CLAIM + 2 * claim + (epoch & 1)] the batch tickets of dispatch's
+# arrivals (claim CLAIM_ARRIVALS) and of its zero padding (CLAIM_PADDING) at that epoch parity (each
+# dispatch or redispatch zeroes the next call's words when it starts).
 STATE_EPOCH = 0
 STATE_DONE = 2
 STATE_CHUNK_DONE = 16
 STATE_CLAIM = 24
+CLAIM_ARRIVALS = 0
+CLAIM_PADDING = 1
 STATE_WORDS = 32
 
 # Done-counter slots, one per phase that ends in a signal (dispatch and redispatch share the
@@ -215,8 +219,9 @@ _HEADER_GROUPS = (
      ("TIMEOUT_TO_DEST_ACK", "TIMEOUT_TO_DEST_ARRIVAL", "TIMEOUT_TO_SOURCE_ACK", "TIMEOUT_TO_SOURCE_ARRIVAL",
       "TIMEOUT_GRID_BARRIER")),
     ("Local state, u64 [STATE_WORDS]: epochs per channel, done-counters per slot, then per chunk, then "
-     "dispatch's arrival batch tickets per epoch parity",
-     ("STATE_EPOCH", "STATE_DONE", "STATE_CHUNK_DONE", "STATE_CLAIM", "STATE_WORDS")),
+     "dispatch's batch tickets per claim (arrivals, padding) and epoch parity",
+     ("STATE_EPOCH", "STATE_DONE", "STATE_CHUNK_DONE", "STATE_CLAIM", "CLAIM_ARRIVALS", "CLAIM_PADDING",
+      "STATE_WORDS")),
     ("Done-counter slots: state[STATE_DONE + slot]",
      ("SLOT_REDISPATCH_SEND", "SLOT_DISPATCH_EXPAND", "SLOT_COMBINE_SEND", "SLOT_COMBINE_RECV",
       "SLOT_VALUES_SEND", "SLOT_VALUES_RECV")),

@@ -333,23 +333,28 @@ def _budget_scenarios(rank, world, gloo, backend: str, section: dict) -> None:
                 _eager_step(dev, ref, rank, world, x, idx, weights, generator, tag)
 
 
-# An SM budget under which the many experts' padding (~360 rows of 3 units) is more than one batch
-# per padding block: at one rank it goes by ticket, the blocks that copied the own rows joining.
+# An SM budget under which the many experts' padding (~360 rows of 3 units at T=40, ~600 at 300)
+# is more than one batch per padding block: it goes by ticket, at decode sizes at one rank the
+# blocks that copied the own rows joining, past them (300 tokens: two layout blocks) the layout
+# blocks once their layout is done.
 PADDING_TICKETS_BUDGET = 8
+MANY_EXPERTS_MAX_TOKENS = 300
 
 
 def _many_experts_scenario(rank, world, gloo, backend: str, section: dict) -> None:
     """MANY_LOCAL_EXPERTS local experts, tokens spread over all of them: offsets, counts and the
     expert-major rows (and their zero padding) must still match the reference bitwise, on the whole
-    device and on PADDING_TICKETS_BUDGET SMs, two calls each (the tickets of both epoch parities)."""
+    device and on PADDING_TICKETS_BUDGET SMs, at decode sizes and past them, two calls each (the
+    tickets of both epoch parities)."""
     generator = torch.Generator().manual_seed(900 + rank)
     num_experts = MANY_LOCAL_EXPERTS * world
+    sized = dict(num_experts=num_experts, max_tokens_per_rank=MANY_EXPERTS_MAX_TOKENS)
     for budget in (None, PADDING_TICKETS_BUDGET):
-        with moe_comm.Dispatcher(_config(backend, "bfloat16", num_experts=num_experts, sm_budget=budget,
-                                         **section)) as dev, \
-                moe_comm.Dispatcher(_config("reference", "bfloat16", num_experts=num_experts), group=gloo) as ref:
-            for call in range(2):
-                x, idx, weights = _inputs("random", MAX_TOKENS - 3 * rank - call, world, torch.bfloat16, generator,
+        with moe_comm.Dispatcher(_config(backend, "bfloat16", sm_budget=budget, **sized, **section)) as dev, \
+                moe_comm.Dispatcher(_config("reference", "bfloat16", **sized), group=gloo) as ref:
+            for call in range(4):
+                num_tokens = (MAX_TOKENS if call < 2 else MANY_EXPERTS_MAX_TOKENS) - 3 * rank - call % 2
+                x, idx, weights = _inputs("random", num_tokens, world, torch.bfloat16, generator,
                                           num_experts=num_experts)
                 tag = f"{MANY_LOCAL_EXPERTS} local experts, sm_budget {budget}, call {call} (rank {rank})"
                 _eager_step(dev, ref, rank, world, x, idx, weights, generator, tag)
