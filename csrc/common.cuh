@@ -151,6 +151,20 @@ __device__ __forceinline__ void sleep_ns(u32 ns) { asm volatile("nanosleep.u32 %
 
 __device__ __forceinline__ i64 imin64(i64 a, i64 b) { return a < b ? a : b; }
 
+// How many of a[0 .. n) (non-decreasing) are <= v: the binary search behind every "which piece
+// holds virtual row v" of the layout and the expansion (with exclusive starts a[1 ..], the piece's
+// index).
+template <typename T>
+__device__ __forceinline__ int count_at_most(const T* a, int n, i64 v) {
+    int lo = 0, hi = n;
+    while (lo < hi) {
+        const int mid = (lo + hi) >> 1;
+        if (a[mid] <= v) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
 // Smallest value over the warp (all lanes must call it).
 __device__ __forceinline__ i64 warp_min_i64(i64 v) {
 #pragma unroll

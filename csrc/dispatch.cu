@@ -487,8 +487,7 @@ __device__ __forceinline__ void dispatch_call(DISPATCH_PARAMS) {
     // ends, and then wait for the group, whose positions the row copies need. At decode sizes on
     // several ranks they zero all of it, a static share each; past them the layout blocks, their
     // layout done, join by ticket, so the padding fills the layout's window, where HBM is idle.
-    const bool pads_first = roles.pads_first && block >= roles.pad_first &&
-                            (block < roles.pad_last || (!roles.split && block >= layout_first));
+    const bool pads_first = roles.pads_first && block >= roles.pad_first && (!roles.split || block < roles.pad_last);
     if (pads_first) {
         arrive_blocks(barrier_flags + grid, block, epoch);
         wait_blocks(segments_stamp, 0, 1, epoch, status, rank, timeout_ns);

@@ -193,12 +193,7 @@ __device__ __forceinline__ void expand_arrivals(RowBatch& batch, i64 base, const
     const int rows = static_cast<int>(per_block < 1 ? 1 : (per_block > BATCH_ROWS ? BATCH_ROWS : per_block));
     // Piece p and slab row of virtual row v < total.
     auto locate = [&](i64 v, int& piece, int& source) -> i64 {
-        int lo = 0, hi = pieces - 1;  // the last piece starting at or before v
-        while (lo < hi) {
-            const int mid = (lo + hi + 1) >> 1;
-            if (s_piece[mid] <= v) lo = mid;
-            else hi = mid - 1;
-        }
+        const int lo = count_at_most(s_piece + 1, pieces - 1, v);  // the last piece starting at or before v
         const int i = lo % others;
         piece = lo;
         source = i < rank ? i : i + 1;
@@ -311,12 +306,8 @@ __device__ __forceinline__ void zero_padding(const i32* s_end, const i32* s_pad,
         for (i64 unit = q * per_batch + (threadIdx.x >> 5); unit < end; unit += warps) {
             const int p = static_cast<int>(unit / Chunks::kPerRow);
             const int chunk = static_cast<int>(unit - static_cast<i64>(p) * Chunks::kPerRow);
-            int lo = 0, hi = num_local_experts - 1;  // the first expert j with s_pad[j] > p
-            while (lo < hi) {
-                const int mid = (lo + hi) >> 1;
-                if (s_pad[mid] > p) hi = mid;
-                else lo = mid + 1;
-            }
+            // The first expert j with s_pad[j] > p (p < s_pad[num_local_experts - 1]).
+            const int lo = count_at_most(s_pad, num_local_experts - 1, p);
             const int row = s_end[lo] - (s_pad[lo] - p);
             if (row < capacity_rows) {
                 store_unit<EXPAND_VPL, kEvictFirst>(out + static_cast<i64>(row) * ROW_BYTES, zeros,

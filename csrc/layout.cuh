@@ -22,13 +22,8 @@ __device__ __forceinline__ u64* meta_entry(i64 meta, i64 g, int k) {
 // The slab row g = s * M + t of virtual row v (rows t < T_s of all sources concatenated): s is
 // the largest source with begin[s] <= v.
 __device__ __forceinline__ i64 slab_row_of(const i64* begin, int world, int max_tokens_per_rank, i64 v) {
-    int lo = 0, hi = world - 1;
-    while (lo < hi) {
-        const int mid = (lo + hi + 1) >> 1;
-        if (begin[mid] <= v) lo = mid;
-        else hi = mid - 1;
-    }
-    return static_cast<i64>(lo) * max_tokens_per_rank + (v - begin[lo]);
+    const int s = count_at_most(begin + 1, world - 1, v);
+    return static_cast<i64>(s) * max_tokens_per_rank + (v - begin[s]);
 }
 
 // Entry (g, k) as loaded, before it is taken apart: its two tagged words, or with kRouting the
