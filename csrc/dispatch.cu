@@ -77,8 +77,9 @@
 // the layout at the segments (no positions), and their batches past one per block go by ticket
 // (the padding's words), to them and to the own-row blocks once their rows are out.
 // FP8 dispatch runs a build with FP8_ROWS (common.cuh): slabs and out_x hold packed FP8 rows, and
-// with `quantize` the send and own-expansion phases build them from config-dtype x as they go
-// ("FP8 rows from DTYPE rows" below); without it x holds packed rows, copied like any rows.
+// with `quantize` the send and own-expansion phases build them as they go, from config-dtype x or
+// from the pre-quantized pair x (e4m3) and x_scales ("FP8 rows built on the way" below); without
+// it x holds packed rows, copied like any rows.
 // `redispatch` runs the same channel with rows only (no metadata) along an existing routing's
 // send_mask: it writes its tagged count word as dispatch does (every call of a parity rewrites
 // that word), its senders ((one copy:) after the acks of e - 1) release-store arrival[0][R] = e
@@ -102,7 +103,7 @@
 #include "expand.cuh"
 #include "layout.cuh"
 
-// ------------------------------------------------------------------ FP8 rows from DTYPE rows
+// ----------------------------------------------------------------- FP8 rows built on the way
 #if FP8_ROWS
 // FP8 dispatch of config-dtype x (`quantize`) builds the packed rows (common.cuh's FP8_ROW_BYTES)
 // from x's DTYPE rows itself, so no pass over x runs before the kernel: the senders quantize each
@@ -111,8 +112,10 @@
 // not lay out, while the metadata travels and the layout runs, and the own expansion copies them
 // from there like any slab rows (their quantization off the expansion's path, their packed bytes
 // still in L2); more would outlast the layout, so the own expansion quantizes each unit of the
-// rest as it copies it (no round trip of those rows through memory). FP8 dispatch of packed rows
-// (x_fp8 and scales, packed by fp8.cu's pack_pairs) copies them like any rows.
+// rest as it copies it (no round trip of those rows through memory). A pre-quantized pair (x_fp8
+// and x_scales, `quantize` with x_scales set) takes the same paths, each unit read from the pair
+// instead of quantized (fp8_source_unit), and packs no own rows first (they are as small as packed
+// rows already). Packed rows given as such (fp8.cu's pack_pairs) are copied like any rows.
 
 #if PUT_TRANSPORT
 // Warp-wide: what unit `chunk` of a quantized row stored into the staged row (store_fp8_unit) goes
@@ -132,10 +135,10 @@ __device__ __forceinline__ void put_fp8_unit(u8* dst, const u8* staged, int chun
 }
 #endif
 
-// Warp-wide: send_token_unit's quantizing path, for the DTYPE row at src_row: the unit in two
-// halves (a whole unit's DTYPE vectors at once would spill registers).
-__device__ __forceinline__ void send_fp8_unit(const i64* s_peer, int rank, i64 row_offset, const u8* src_row, int chunk,
-                                              int v0, u64 others) {
+// Warp-wide: send_token_unit's FP8 path, for own row t (fp8_source_unit): the unit in two halves
+// (a whole unit's DTYPE vectors at once would spill registers).
+__device__ __forceinline__ void send_fp8_unit(const i64* s_peer, int rank, i64 row_offset, const OwnRows& own, int t,
+                                              int chunk, int v0, u64 others) {
     constexpr int kHalf = SEND_VPL / 2;
 #if PUT_TRANSPORT
     u8* staged = reinterpret_cast<u8*>(s_peer[rank] + row_offset);
@@ -148,7 +151,7 @@ __device__ __forceinline__ void send_fp8_unit(const i64* s_peer, int rank, i64 r
         const int half_v0 = v0 + 32 * kHalf * half;
         Vec16 vals[kHalf];
         float scales[kHalf];
-        quantize_unit<kHalf>(src_row, vals, scales, half_v0);
+        fp8_source_unit<kHalf>(own.x, own.scales, t, vals, scales, half_v0);
 #if PUT_TRANSPORT
         store_fp8_unit<kHalf>(staged, vals, scales, half_v0);
 #else
@@ -169,28 +172,25 @@ __device__ __forceinline__ void send_fp8_unit(const i64* s_peer, int rank, i64 r
 
 // ------------------------------------------------------------------------------- send phase
 
-// Warp-wide: unit `chunk` of token row t of x [T, H] to slab row recv_x[rank][t] of every OTHER
-// rank in `dests` (this rank's expand reads its own tokens from x); with `quantize` (FP8_ROWS
-// builds) x holds DTYPE rows, quantized on the way (send_fp8_unit). With puts the unit is first
-// stored into this rank's own slab row, the copy NVSHMEM reads.
+// Warp-wide: unit `chunk` of own row t (OwnRows: x's row, or with `quantize` in FP8_ROWS builds
+// the packed row built on the way, send_fp8_unit) to slab row recv_x[rank][t] of every OTHER rank
+// in `dests` (this rank's expand reads its own tokens from x). With puts the unit is first stored
+// into this rank's own slab row, the copy NVSHMEM reads.
 __device__ __forceinline__ void send_token_unit(const i64* s_peer, int rank, int max_tokens_per_rank, i64 off_recv_x,
-                                                const void* x, bool quantize, int t, int chunk, u64 dests) {
+                                                const OwnRows& own, int t, int chunk, u64 dests) {
     typedef RowParts<SEND_VPL> Chunks;
     const u64 others = dests & ~(1ull << rank);
     if (others == 0ull) return;
     const i64 row_offset = off_recv_x + (static_cast<i64>(rank) * max_tokens_per_rank + t) * ROW_BYTES;
     const int v0 = chunk * Chunks::kVecs + (threadIdx.x & 31);
 #if FP8_ROWS
-    if (quantize) {
-        send_fp8_unit(s_peer, rank, row_offset, static_cast<const u8*>(x) + static_cast<i64>(t) * SOURCE_ROW_BYTES,
-                      chunk, v0, others);
+    if (own.quantize) {
+        send_fp8_unit(s_peer, rank, row_offset, own, t, chunk, v0, others);
         return;
     }
-#else
-    (void)quantize;
 #endif
     Vec16 vals[SEND_VPL];
-    load_unit<SEND_VPL, kUserInput>(static_cast<const u8*>(x) + static_cast<i64>(t) * ROW_BYTES, vals, v0);
+    load_unit<SEND_VPL, kUserInput>(own.x + static_cast<i64>(t) * ROW_BYTES, vals, v0);
 #if PUT_TRANSPORT
     const u8* staged = reinterpret_cast<const u8*>(s_peer[rank] + row_offset);
     store_unit<SEND_VPL>(const_cast<u8*>(staged), vals, v0);
@@ -303,11 +303,12 @@ __device__ __forceinline__ void send_metadata(const i64* s_peer, int rank, int w
 // release-stores chunk[c][R] = e into every rank's flags, so receivers expand while rows land.
 __device__ __forceinline__ void send_token_rows(u64* state, const i64* s_peer, int rank, int world, int max_tokens_per_rank,
                                                 u64 epoch, i64 off_recv_x, int num_experts, int num_senders,
-                                                int chunk_tokens, const void* x, bool quantize, const void* topk_idx,
-                                                int idx_is_64, int num_tokens) {
+                                                int chunk_tokens, const OwnRows& own, const void* topk_idx,
+                                                int idx_is_64) {
     typedef RowParts<SEND_VPL> Chunks;
     const int warps = blockDim.x >> 5;
     const int num_local_experts = num_experts / world;
+    const int num_tokens = own.num_tokens;
     const i64 num_units = static_cast<i64>(num_tokens) * Chunks::kPerRow;
     const i64 per_round = static_cast<i64>(num_senders) * warps;
     const i64 rounds = (num_units + per_round - 1) / per_round;
@@ -319,7 +320,7 @@ __device__ __forceinline__ void send_token_rows(u64* state, const i64* s_peer, i
             const int t = static_cast<int>(unit / Chunks::kPerRow);
             const int part = static_cast<int>(unit - static_cast<i64>(t) * Chunks::kPerRow);
             const TokenRoute route = route_token(topk_idx, idx_is_64, t, num_experts, num_local_experts);
-            send_token_unit(s_peer, rank, max_tokens_per_rank, off_recv_x, x, quantize, t, part, route.dest_set);
+            send_token_unit(s_peer, rank, max_tokens_per_rank, off_recv_x, own, t, part, route.dest_set);
         }
         for (; chunk < chunks; ++chunk) {
             const i64 last_token = imin64(static_cast<i64>(chunk + 1) * chunk_tokens, num_tokens) - 1;
@@ -334,16 +335,16 @@ __device__ __forceinline__ void send_token_rows(u64* state, const i64* s_peer, i
 // Rows only, along an existing routing: x [T, H] row t goes to recv_x[R][t] of every other rank r
 // with send_mask[t, r] (blocks [0, num_senders)).
 __device__ __forceinline__ void send_rows(const i64* s_peer, int rank, int world, int max_tokens_per_rank, i64 off_recv_x,
-                                          int num_senders, const void* x, int num_tokens, const u8* send_mask) {
+                                          int num_senders, const OwnRows& own, const u8* send_mask) {
     typedef RowParts<SEND_VPL> Chunks;
     const int warps = blockDim.x >> 5;
-    const i64 num_units = static_cast<i64>(num_tokens) * Chunks::kPerRow;
+    const i64 num_units = static_cast<i64>(own.num_tokens) * Chunks::kPerRow;
     for (i64 unit = static_cast<i64>(blockIdx.x) * warps + (threadIdx.x >> 5); unit < num_units;
          unit += static_cast<i64>(num_senders) * warps) {
         const int t = static_cast<int>(unit / Chunks::kPerRow);
         const int chunk = static_cast<int>(unit - static_cast<i64>(t) * Chunks::kPerRow);
         const u64 dests = warp_dest_set(send_mask + static_cast<i64>(t) * world, world);
-        send_token_unit(s_peer, rank, max_tokens_per_rank, off_recv_x, x, false, t, chunk, dests);
+        send_token_unit(s_peer, rank, max_tokens_per_rank, off_recv_x, own, t, chunk, dests);
     }
 }
 
@@ -367,18 +368,19 @@ __device__ __forceinline__ void zero_next_call_tickets(u64* state, u64 epoch) {
 
 // The parameters of both dispatch kernels (below), and their names.
 #define DISPATCH_PARAMS                                                                                            \
-    const i64* __restrict__ peers, int rank, int world, int max_tokens_per_rank, u64* state, i64* status,         \
-    i64 timeout_ns, i64 off_meta, i64 off_recv_x, i64 copy_stride, int num_experts, int chunk_tokens,             \
-    int num_local_experts, int alignment, int capacity, i32* block_counts, u64* barrier_flags, int capacity_rows, \
-    int num_senders, int layout_blocks, const void* __restrict__ x, int quantize,                                 \
-    const void* __restrict__ topk_idx, int idx_is_64, const float* __restrict__ topk_weights, int num_tokens,     \
-    u8* __restrict__ send_mask, i32* __restrict__ dest_rank, i32* recv_pos, float* recv_weight,                   \
-    i32* expert_offsets, i32* tokens_per_expert, void* __restrict__ out_x
+    const i64* __restrict__ peers, int rank, int world, int max_tokens_per_rank, u64* state, i64* status,          \
+    i64 timeout_ns, i64 off_meta, i64 off_recv_x, i64 copy_stride, int num_experts, int chunk_tokens,              \
+    int num_local_experts, int alignment, int capacity, i32* block_counts, u64* barrier_flags, int capacity_rows,  \
+    int num_senders, int layout_blocks, const void* __restrict__ x, int quantize,                                  \
+    const float* __restrict__ x_scales, const void* __restrict__ topk_idx, int idx_is_64,                          \
+    const float* __restrict__ topk_weights, int num_tokens, u8* __restrict__ send_mask,                            \
+    i32* __restrict__ dest_rank,                                                                                   \
+    i32* recv_pos, float* recv_weight, i32* expert_offsets, i32* tokens_per_expert, void* __restrict__ out_x
 #define DISPATCH_ARGS                                                                                              \
-    peers, rank, world, max_tokens_per_rank, state, status, timeout_ns, off_meta, off_recv_x, copy_stride,        \
+    peers, rank, world, max_tokens_per_rank, state, status, timeout_ns, off_meta, off_recv_x, copy_stride,         \
     num_experts, chunk_tokens, num_local_experts, alignment, capacity, block_counts, barrier_flags, capacity_rows, \
-    num_senders, layout_blocks, x, quantize, topk_idx, idx_is_64, topk_weights, num_tokens, send_mask, dest_rank, \
-    recv_pos, recv_weight, expert_offsets, tokens_per_expert, out_x
+    num_senders, layout_blocks, x, quantize, x_scales, topk_idx, idx_is_64, topk_weights, num_tokens, send_mask,   \
+    dest_rank, recv_pos, recv_weight, expert_offsets, tokens_per_expert, out_x
 
 // One block per SM (gridDim.x <= SMs: blocks wait for each other). Blocks [0, num_senders) send;
 // the blocks after them (the early group; every block when all send), the last layout_blocks of
@@ -405,6 +407,19 @@ __device__ __forceinline__ void dispatch_call(DISPATCH_PARAMS) {
     u64* segments_stamp = barrier_flags + 2 * grid;
     u8* out = static_cast<u8*>(out_x);
     const u8* recv = reinterpret_cast<const u8*>(s_peer[rank] + off_recv_x);
+    // With one rank, rows that fit one layout block are laid out by every block for itself: no
+    // barrier (LayoutScope).
+    const bool replicated = kOneRank && num_tokens <= LAYOUT_ROWS_PER_BLOCK;
+    // FP8 from DTYPE rows: this rank's rows t < packed_own are packed into its own slab, where the
+    // own expansion reads them; it quantizes the rest from x. A replicated layout has no barrier to
+    // order packed rows before the own expansion: it packs none; nor does a pre-quantized pair.
+#if FP8_ROWS
+    const int packed_own =
+        quantize && x_scales == nullptr && !replicated ? min(num_tokens, FP8_PACK_OWN_MAX_TOKENS) : 0;
+#else
+    const int packed_own = 0;
+#endif
+    const OwnRows own{static_cast<const u8*>(x), x_scales, quantize != 0, packed_own, num_tokens};
 
     // Metadata on the senders (before their rows: at decode sizes rows sent alongside delay the
     // metadata, which the layout waits for), and on more blocks when they have a token per warp.
@@ -420,7 +435,7 @@ __device__ __forceinline__ void dispatch_call(DISPATCH_PARAMS) {
     }
     if (block < num_senders) {
         send_token_rows(state, s_peer, rank, world, max_tokens_per_rank, epoch, off_recv_x, num_experts, num_senders,
-                        chunk_tokens, x, quantize != 0, topk_idx, idx_is_64, num_tokens);
+                        chunk_tokens, own, topk_idx, idx_is_64);
     }
 
     // Every receiving block first learns T_s from the count words (load_slab_tokens), so a missing
@@ -430,18 +445,7 @@ __device__ __forceinline__ void dispatch_call(DISPATCH_PARAMS) {
     const EntrySource<kOneRank> entries{s_peer[rank] + off_meta, epoch, status, timeout_ns, topk_idx, idx_is_64,
                                         topk_weights, num_tokens};
     const LayoutShared shared = layout_shared(smem, num_local_experts);
-    // With one rank, rows that fit one layout block are laid out by every block for itself: no
-    // barrier (LayoutScope).
-    const bool replicated = kOneRank && num_tokens <= LAYOUT_ROWS_PER_BLOCK;
     const ExpandRoles roles = expand_roles(early, layout_first, grid, world, num_tokens, replicated);
-    // FP8: this rank's rows t < packed_own were packed into its own slab, where the own expansion
-    // reads them; it quantizes the rest from x. A replicated layout has no barrier to order packed
-    // rows before the own expansion: it packs none.
-#if FP8_ROWS
-    const int packed_own = quantize && !replicated ? min(num_tokens, FP8_PACK_OWN_MAX_TOKENS) : 0;
-#else
-    const int packed_own = 0;
-#endif
     if (block >= early) {
 #if FP8_ROWS
         // Own rows packed while the metadata travels and the layout runs, on the blocks that do not
@@ -506,14 +510,13 @@ __device__ __forceinline__ void dispatch_call(DISPATCH_PARAMS) {
     if (replicated || roles.split) {
         if (block >= roles.own_first && block < roles.own_end) {
             const ArrivalRows arrivals{s_peer[rank], chunk_tokens, epoch, status, timeout_ns};
-            expand_units<!kOneRank>(roles.own_first, roles.own_end - roles.own_first, arrivals, s_begin, recv,
-                                    static_cast<const u8*>(x), quantize != 0, packed_own, num_tokens, rank, world,
-                                    max_tokens_per_rank, replicated ? shared.positions : recv_pos, capacity_rows, out);
+            expand_units<!kOneRank>(roles.own_first, roles.own_end - roles.own_first, arrivals, s_begin, recv, own,
+                                    rank, world, max_tokens_per_rank, replicated ? shared.positions : recv_pos,
+                                    capacity_rows, out);
         }
     } else if (block >= early) {
-        expand_rows(batch, slab_rows(OWN_SLAB, rank, world, max_tokens_per_rank, grid - early), early, recv,
-                    static_cast<const u8*>(x), quantize != 0, packed_own, num_tokens, rank, max_tokens_per_rank,
-                    recv_pos, capacity_rows, out);
+        expand_rows(batch, slab_rows(OWN_SLAB, rank, world, max_tokens_per_rank, grid - early), early, recv, own,
+                    rank, max_tokens_per_rank, recv_pos, capacity_rows, out);
     }
     // The padding after the own rows, unless it went first. One rank: the own-row blocks of a split
     // join it by ticket once their rows are out.
@@ -561,6 +564,7 @@ extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) redispatch(
     const u64 epoch = call.epoch;
     zero_next_call_tickets(state, epoch);
     off_recv_x += slab_copy(epoch, copy_stride);
+    const OwnRows own{static_cast<const u8*>(x), nullptr, false, 0, num_tokens};
 
     if (blockIdx.x == 0 && world > 1) send_count_every_rank(s_peer, rank, world, epoch, num_tokens);
     if (static_cast<int>(blockIdx.x) < num_senders) {
@@ -570,7 +574,7 @@ extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) redispatch(
         }
         // At world 1 no row leaves the rank (the expansion reads them from x): only the signal.
         if (world > 1) {
-            send_rows(s_peer, rank, world, max_tokens_per_rank, off_recv_x, num_senders, x, num_tokens, send_mask);
+            send_rows(s_peer, rank, world, max_tokens_per_rank, off_recv_x, num_senders, own, send_mask);
         }
         if (last_block_done(state + STATE_DONE + SLOT_REDISPATCH_SEND, num_senders)) {
             signal_every_rank(s_peer, rank, world, CH_TO_DEST, FLAG_ARRIVAL, epoch);
@@ -579,7 +583,7 @@ extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) redispatch(
     block_wait_flags(s_peer[rank], world, CH_TO_DEST, FLAG_ARRIVAL, epoch, status, TIMEOUT_TO_DEST_ARRIVAL,
                      timeout_ns);
     expand_rows(batch, slab_rows(ALL_SLABS, rank, world, max_tokens_per_rank, gridDim.x), 0,
-                reinterpret_cast<const u8*>(s_peer[rank] + off_recv_x), static_cast<const u8*>(x), false, 0, num_tokens, rank,
-                max_tokens_per_rank, recv_pos, capacity_rows, static_cast<u8*>(out_x));
+                reinterpret_cast<const u8*>(s_peer[rank] + off_recv_x), own, rank, max_tokens_per_rank, recv_pos,
+                capacity_rows, static_cast<u8*>(out_x));
     end_call(call, state, SLOT_DISPATCH_EXPAND, s_peer, rank, world, CH_TO_DEST, copy_stride);
 }

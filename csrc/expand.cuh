@@ -24,6 +24,19 @@ __device__ __forceinline__ BatchShape slab_rows(SlabRows set, int rank, int worl
     return batch_shape(world * m, blocks);
 }
 
+// This rank's own rows, which dispatch reads where they are (they are never copied into its own
+// slab): x [num_tokens, ...] in the row format (ROW_BYTES a row), or, in an FP8 build with
+// `quantize`, the source of fp8_source_unit (x's DTYPE rows, or with `scales` the pre-quantized
+// pair x e4m3 / scales float32). Rows t < `packed` were packed into the own slab first (FP8 from
+// DTYPE rows): they are read from there.
+struct OwnRows {
+    const u8* x;
+    const float* scales;
+    bool quantize;
+    int packed;
+    int num_tokens;
+};
+
 // Warp-wide: store(row) for the out_x row of each kept entry, k increasing (lane k < TOPK holds
 // entry k's position in `pos`; kept_entries; pos_at(k): entry k's position, for a kept k,
 // warp-uniform). `lane` is the caller's lane.
@@ -36,37 +49,33 @@ __device__ __forceinline__ void for_each_kept_row(int lane, int pos, PosAt pos_a
 }
 
 // Warp-wide: unit `chunk` of slab row g to the out_x rows of its kept entries (lane k < TOPK holds
-// entry k's recv_pos in `pos`; kept: in [0, capacity_rows)). Rows t >= packed_own of this rank's
-// own slab come from x [num_tokens, H] (they are never sent; with quantize_own DTYPE rows,
-// quantized on the way); the own rows below packed_own (FP8 dispatch packed them into the own slab
-// first) and the others from recv_x, where their sources wrote them before a flag this block
-// acquired. A call whose waits timed out may carry own rows past num_tokens: they are skipped. The
+// entry k's recv_pos in `pos`; kept: in [0, capacity_rows)). Rows t >= own.packed of this rank's
+// own slab come from `own` (OwnRows: x, or built as they are read); the own rows below own.packed
+// and the others from recv_x, where their sources wrote them before a flag this block acquired. A
+// call whose waits timed out may carry own rows past own.num_tokens: they are skipped. The
 // unit's loads are issued before `pos` is used, so a caller that has just loaded it from memory
 // waits for both at once. pos_at(k): entry k's position, for a kept k (warp-uniform).
 template <typename PosAt>
-__device__ __forceinline__ void copy_row_unit(i64 g, int chunk, int pos, PosAt pos_at, const u8* recv, const u8* x,
-                                              bool quantize_own, int packed_own, int num_tokens, int rank,
-                                              int max_tokens_per_rank, int capacity_rows, u8* out) {
+__device__ __forceinline__ void copy_row_unit(i64 g, int chunk, int pos, PosAt pos_at, const u8* recv, const OwnRows& own,
+                                              int rank, int max_tokens_per_rank, int capacity_rows, u8* out) {
     typedef RowParts<EXPAND_VPL> Chunks;
     const int lane = threadIdx.x & 31;
     const i64 t = g - static_cast<i64>(rank) * max_tokens_per_rank;
-    const bool from_x = t >= packed_own && t < max_tokens_per_rank;  // packed_own >= 0: g is in the own slab
-    if (from_x && t >= num_tokens) return;
+    const bool from_x = t >= own.packed && t < max_tokens_per_rank;  // own.packed >= 0: g is in the own slab
+    if (from_x && t >= own.num_tokens) return;
     const int v0 = chunk * Chunks::kVecs + lane;
     Vec16 vals[EXPAND_VPL];
 #if FP8_ROWS
-    if (from_x && quantize_own) {
+    if (from_x && own.quantize) {
         float scales[EXPAND_VPL];
-        quantize_unit<EXPAND_VPL>(x + t * SOURCE_ROW_BYTES, vals, scales, v0);
+        fp8_source_unit<EXPAND_VPL>(own.x, own.scales, t, vals, scales, v0);
         for_each_kept_row(lane, pos, pos_at, capacity_rows, out,
                           [&](u8* row) { store_fp8_unit<EXPAND_VPL>(row, vals, scales, v0); });
         return;
     }
-#else
-    (void)quantize_own;
 #endif
     if (from_x) {
-        load_unit<EXPAND_VPL, kUserInput>(x + t * ROW_BYTES, vals, v0);
+        load_unit<EXPAND_VPL, kUserInput>(own.x + t * ROW_BYTES, vals, v0);
     } else {
         load_unit<EXPAND_VPL, kWrittenHere>(recv + g * ROW_BYTES, vals, v0);
     }
@@ -74,9 +83,8 @@ __device__ __forceinline__ void copy_row_unit(i64 g, int chunk, int pos, PosAt p
 }
 
 // Block-wide: copy_row_unit for every unit of the listed rows of `batch` (slab rows batch.row[...]).
-__device__ __forceinline__ void copy_listed_rows(const RowBatch& batch, int listed, const u8* recv, const u8* x,
-                                                 bool quantize_own, int packed_own, int num_tokens, int rank,
-                                                 int max_tokens_per_rank, int capacity_rows, u8* out) {
+__device__ __forceinline__ void copy_listed_rows(const RowBatch& batch, int listed, const u8* recv, const OwnRows& own,
+                                                 int rank, int max_tokens_per_rank, int capacity_rows, u8* out) {
     typedef RowParts<EXPAND_VPL> Chunks;
     const int lane = threadIdx.x & 31;
     const int warps = blockDim.x >> 5;
@@ -84,8 +92,8 @@ __device__ __forceinline__ void copy_listed_rows(const RowBatch& batch, int list
         const int r = batch.list[unit / Chunks::kPerRow];
         const int chunk = unit - (unit / Chunks::kPerRow) * Chunks::kPerRow;
         copy_row_unit(batch.row[r], chunk, lane < TOPK ? batch.pos[r * TOPK + lane] : -1,
-                      [&](int k) { return batch.pos[r * TOPK + k]; }, recv, x, quantize_own, packed_own, num_tokens,
-                      rank, max_tokens_per_rank, capacity_rows, out);
+                      [&](int k) { return batch.pos[r * TOPK + k]; }, recv, own, rank, max_tokens_per_rank,
+                      capacity_rows, out);
     }
 }
 
@@ -114,9 +122,9 @@ struct ArrivalRows {
 // the barrier).
 template <bool kArrivals>
 __device__ __forceinline__ void expand_units(int first_block, int blocks, const ArrivalRows& arrivals, const i64* s_begin,
-                                             const u8* recv, const u8* x, bool quantize_own, int packed_own,
-                                             int num_tokens, int rank, int world, int max_tokens_per_rank,
-                                             const i32* positions, int capacity_rows, u8* out) {
+                                             const u8* recv, const OwnRows& own, int rank, int world,
+                                             int max_tokens_per_rank, const i32* positions, int capacity_rows,
+                                             u8* out) {
     typedef RowParts<EXPAND_VPL> Chunks;
     const int lane = threadIdx.x & 31;
     const i64 warps = blockDim.x >> 5;
@@ -135,20 +143,19 @@ __device__ __forceinline__ void expand_units(int first_block, int blocks, const 
         }
         const int pos = lane < TOPK ? positions[g * TOPK + lane] : -1;
         copy_row_unit(g, static_cast<int>(unit % Chunks::kPerRow), pos,
-                      [&](int k) { return __shfl_sync(FULL_MASK, pos, k); }, recv, x, quantize_own, packed_own,
-                      num_tokens, rank, max_tokens_per_rank, capacity_rows, out);
+                      [&](int k) { return __shfl_sync(FULL_MASK, pos, k); }, recv, own, rank, max_tokens_per_rank,
+                      capacity_rows, out);
     }
 }
 
 // Block-wide, blocks [first_block, gridDim.x): expand every carried slab row of `shape`'s set
 // (recv_pos [W * M, K] may have been written by other blocks of this kernel: plain loads).
 __device__ __forceinline__ void expand_rows(RowBatch& batch, const BatchShape& shape, int first_block, const u8* recv,
-                                            const u8* x, bool quantize_own, int packed_own, int num_tokens, int rank,
-                                            int max_tokens_per_rank, const i32* recv_pos, int capacity_rows, u8* out) {
+                                            const OwnRows& own, int rank, int max_tokens_per_rank, const i32* recv_pos,
+                                            int capacity_rows, u8* out) {
     for (i64 q = blockIdx.x - first_block; q < shape.count; q += gridDim.x - first_block) {
         const int listed = block_load_batch(batch, recv_pos, nullptr, shape, q, 0);
-        copy_listed_rows(batch, listed, recv, x, quantize_own, packed_own, num_tokens, rank, max_tokens_per_rank,
-                         capacity_rows, out);
+        copy_listed_rows(batch, listed, recv, own, rank, max_tokens_per_rank, capacity_rows, out);
         __syncthreads();  // the batch is overwritten next
     }
 }
@@ -224,7 +231,7 @@ __device__ __forceinline__ void expand_arrivals(RowBatch& batch, i64 base, const
             int piece, source;
             return locate(v, piece, source);
         }, 0);
-        copy_listed_rows(batch, listed, recv, nullptr, false, 0, 0, rank, max_tokens_per_rank, capacity_rows, out);
+        copy_listed_rows(batch, listed, recv, OwnRows{}, rank, max_tokens_per_rank, capacity_rows, out);
         if (threadIdx.x == 0) s_next = next;
         __syncthreads();  // the batch is overwritten next
         q = s_next;

@@ -119,6 +119,27 @@ __device__ __forceinline__ void quantize_unit(const u8* src_row, Vec16 (&vals)[V
     }
 }
 
+// Warp-wide: unit v0 of row t of an FP8 dispatch's own rows, as quantize_unit gives it (the e4m3
+// vectors in vals, each block's scale at the lane first in its group): x's DTYPE rows [T, HIDDEN]
+// quantized (scales null), or the pre-quantized pair x [T, HIDDEN] e4m3 and scales [T, HIDDEN /
+// FP8_BLOCK] float32 (moe_comm.quantize's format), copied: no pass packs the pair first.
+template <int VPL>
+__device__ __forceinline__ void fp8_source_unit(const u8* x, const float* scales, i64 t, Vec16 (&vals)[VPL],
+                                                float (&block_scales)[VPL], int v0) {
+    if (scales == nullptr) {
+        quantize_unit<VPL>(x + t * SOURCE_ROW_BYTES, vals, block_scales, v0);
+        return;
+    }
+    const u8* row = x + t * HIDDEN;
+    const float* row_scales = scales + t * (HIDDEN / FP8_BLOCK);
+#pragma unroll
+    for (int u = 0; u < VPL; ++u) {
+        const int v = v0 + 32 * u;
+        vals[u] = v < FP8_VECS ? ld16_nc(row + static_cast<i64>(v) * 16) : zero16();
+        block_scales[u] = v < FP8_VECS && v % FP8_GROUP == 0 ? __ldg(row_scales + v / FP8_GROUP) : 0.0f;
+    }
+}
+
 // A quantized unit (quantize_unit) into the packed row at dst (local, or a peer's over NVLink):
 // its e4m3 vectors, its blocks' scales, and after the row's last scale the zeros up to FP8_ROW_BYTES.
 template <int VPL>

@@ -25,9 +25,17 @@ from .backends.base import Backend, DispatchResult
 __all__ = ["dispatch_with_grad", "combine_with_grad", "combine_backward", "straight_through_rows"]
 
 
+def kernel_rows(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` as the backends' kernels take them: contiguous and starting on a 16-byte boundary
+    (what the Dispatcher asks of its users' rows; a gradient torch hands over, or a tensor a
+    compiled graph hands a custom op, may be a view of either kind). A copy only when needed."""
+    rows = rows.contiguous()
+    return rows if rows.data_ptr() % 16 == 0 else rows.clone()
+
+
 def _rows_grad_to_tokens(backend: Backend, grad_rows: torch.Tensor, routing: Routing) -> torch.Tensor:
     """Dispatch's backward: the rows' gradients back to their tokens, summed there (an unweighted combine)."""
-    return backend.combine(grad_rows.contiguous(), routing, weighted=False)
+    return backend.combine(kernel_rows(grad_rows), routing, weighted=False)
 
 
 class _Dispatch(torch.autograd.Function):
@@ -71,7 +79,7 @@ class _Combine(torch.autograd.Function):
         backend, routing = ctx.backend, ctx.routing
         grad_y, grad_weights = combine_backward(
             grad_z, y, routing,
-            redispatch=lambda rows: backend.redispatch(rows, routing),
+            redispatch=lambda rows: backend.redispatch(kernel_rows(rows), routing),
             return_entry_values=lambda values: backend.return_entry_values(values, routing),
         )
         return grad_y, grad_weights, None, None

@@ -29,6 +29,7 @@ Results go to ``<out>/<name>.json``, ``.md`` and ``.png`` (the plot needs matplo
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import sys
@@ -47,7 +48,7 @@ from .errors import ConfigError
 from .dispatcher import Dispatcher
 from .errors import BackendError
 from .overlap import gemm_sm_carveout
-from .fp8 import packed_row_bytes
+from .fp8 import packed_row_bytes, quantize
 
 __all__ = ["BenchOptions", "bench_rank", "write_results", "main"]
 
@@ -84,8 +85,9 @@ class BenchOptions:
     overlap_budgets / overlap_tokens: ``sm_budget`` values at which dispatch+combine runs beside a
     bf16 GEMM of ``overlap_gemm`` cubed on another stream (see :func:`_measure_overlap`), at this T.
     fp8: also time moe_comm with ``dispatch_dtype: float8_e4m3fn`` on every workload and at every
-    point of the budget sweep (rows ``moe_comm fp8 dispatch``; bytes are the packed e4m3 rows with
-    their scales).
+    point of the budget sweep (rows ``moe_comm fp8 dispatch``: the kernels quantize the bf16 rows;
+    bytes are the packed e4m3 rows with their scales), and on every workload from a pre-quantized
+    pair (rows ``moe_comm fp8 dispatch, pre-quantized``: the input DeepEP's FP8 dispatch takes).
     """
 
     tokens: tuple = (1, 32, 128, 512, 1024, 4096)
@@ -221,8 +223,14 @@ def _graph(device: torch.device, body: Callable[[], object]):
     return graph, result
 
 
+def _tensors(inputs: tuple) -> list[torch.Tensor]:
+    """The tensors of dispatch's inputs, a pre-quantized pair's two in place of ``x``."""
+    return [t for item in inputs for t in (item if isinstance(item, tuple) else (item,))]
+
+
 class _Workload:
-    """Input sets of one (T, routing) for this rank, and static buffers the graphs read."""
+    """Input sets of one (T, routing) for this rank, and static buffers the graphs read. ``source_x``:
+    input set 0's config-dtype rows (combine's error is measured against them)."""
 
     def __init__(self, options: BenchOptions, num_tokens: int, routing: str, rank: int, device: torch.device):
         generator = torch.Generator().manual_seed(1000 * num_tokens + 17 * rank + (routing == "skewed"))
@@ -233,11 +241,20 @@ class _Workload:
             x = torch.randn(num_tokens, options.hidden, generator=generator).to(dtype)
             self.sets.append((x.to(device), idx.to(device), weights.to(device)))
         self.static = tuple(t.clone() for t in self.sets[0])
+        self.source_x = self.sets[0][0]
         self._turn = 0
+
+    def pre_quantized(self) -> "_Workload":
+        """The same sets with ``x`` given as its FP8 pair ``(x_fp8, x_scales)`` (:func:`moe_comm.quantize`)."""
+        work = copy.copy(self)
+        work.sets = [(quantize(x), idx, weights) for x, idx, weights in self.sets]
+        pair, idx, weights = work.sets[0]
+        work.static = (tuple(t.clone() for t in pair), idx.clone(), weights.clone())
+        return work
 
     def load(self, i: int) -> None:
         """Copy input set ``i`` (mod the number of sets) into the static buffers the graphs read."""
-        for dst, src in zip(self.static, self.sets[i % NUM_INPUT_SETS]):
+        for dst, src in zip(_tensors(self.static), _tensors(self.sets[i % NUM_INPUT_SETS])):
             dst.copy_(src)
 
     def next_set(self) -> tuple:
@@ -269,7 +286,7 @@ def _config(options: BenchOptions, work: _Workload, sm_budget: Optional[int], di
             num_sms: Optional[int] = None):
     return load_config(
         None, backend=options.backend, num_experts=options.num_experts, topk=options.topk, hidden=options.hidden,
-        max_tokens_per_rank=max(work.static[0].shape[0], 1), dtype=options.dtype,
+        max_tokens_per_rank=max(work.source_x.shape[0], 1), dtype=options.dtype,
         num_sms=options.num_sms if num_sms is None else num_sms,
         sm_budget=sm_budget, dispatch_dtype=dispatch_dtype, slab_copies=options.slab_copies,
         expert_alignment=options.expert_alignment,
@@ -290,7 +307,8 @@ def _measure_moe_comm(options: BenchOptions, work: _Workload, group, sm_budget: 
     result = {}
     with Dispatcher(cfg, group=group) as disp:
         timer = _Timer(disp.device, group, options.repeats, options.warmup)
-        x, _, weights = work.static
+        work.load(0)
+        x, weights = work.source_x, work.static[2]
         out = disp.dispatch(*work.static)
         expert_rows = _expert_rows(disp, out)
         result["error"] = _close(disp.combine(expert_rows, out.handle), _expected(x, weights))
@@ -517,6 +535,10 @@ def bench_rank(rank: int, world_size: int, options: BenchOptions) -> list[dict]:
                                          dispatch_dtype="float8_e4m3fn")
                 rows += _rows("moe_comm fp8 dispatch", moe8, num_tokens, routing, options.num_sms,
                               moe8["cross_bytes"], moe8["received_bytes"], options.sm_budget)
+                pairs = _measure_moe_comm(options, work.pre_quantized(), group, options.sm_budget, graphs=True,
+                                          dispatch_dtype="float8_e4m3fn")
+                rows += _rows("moe_comm fp8 dispatch, pre-quantized", pairs, num_tokens, routing, options.num_sms,
+                              pairs["cross_bytes"], pairs["received_bytes"], options.sm_budget)
             if options.baselines and device.type == "cuda":
                 # The baselines move every assignment (no dedup): bytes are those moe_comm moves at best,
                 # so their bandwidth columns stay empty rather than compare unlike quantities.

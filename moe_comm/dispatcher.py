@@ -68,17 +68,26 @@ class DispatchOutput:
     quantized_from: Optional[torch.Tensor] = None
 
 
+def _misaligned(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s data starts off a 16-byte boundary. Unknown while torch.compile traces
+    (fake tensors have no address): the custom ops take care of it then (``autograd.kernel_rows``)."""
+    return not torch.compiler.is_compiling() and tensor.data_ptr() % 16 != 0
+
+
 def _check_rows(name: str, tensor, num_rows: Optional[int], num_cols: int, dtypes: tuple, device: torch.device,
-                dtype_text: str) -> None:
+                dtype_text: str, vector_rows: bool = False) -> None:
     """Raise ``InputError`` unless ``tensor`` is a contiguous ``[num_rows, num_cols]`` tensor (None: any number
-    of rows) of a dtype in ``dtypes`` on ``device``."""
+    of rows) of a dtype in ``dtypes`` on ``device``; with ``vector_rows`` also 16-byte aligned (the
+    device kernels move rows in 16-byte vectors: a misaligned one would fault and take the CUDA
+    context with it; every backend asks for it, so inputs valid on one are valid on all)."""
     # NOTE: the accepted case is tested in one expression first: eager calls at decode sizes are
     # host-bound, and the itemised checks below cost twice as much (0.8 against 0.4 us a tensor on a
     # CPU host); they run only to name what is wrong.
     if isinstance(tensor, torch.Tensor):
         shape = tensor.shape
         if (len(shape) == 2 and shape[1] == num_cols and (num_rows is None or shape[0] == num_rows)
-                and tensor.dtype in dtypes and tensor.device == device and tensor.is_contiguous()):
+                and tensor.dtype in dtypes and tensor.device == device and tensor.is_contiguous()
+                and not (vector_rows and _misaligned(tensor))):
             return
     else:
         raise InputError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
@@ -89,7 +98,11 @@ def _check_rows(name: str, tensor, num_rows: Optional[int], num_cols: int, dtype
         raise InputError(f"{name}: expected dtype {dtype_text}, got {tensor.dtype}")
     if tensor.device != device:
         raise InputError(f"{name}: expected a tensor on {device}, got one on {tensor.device}")
-    raise InputError(f"{name}: expected a contiguous tensor, got strides {tensor.stride()} (call .contiguous())")
+    if not tensor.is_contiguous():
+        raise InputError(f"{name}: expected a contiguous tensor, got strides {tensor.stride()} (call .contiguous())")
+    raise InputError(f"{name}: expected a tensor whose data starts on a 16-byte boundary (rows move in 16-byte "
+                     f"vectors), got one starting {tensor.data_ptr() % 16} bytes past one (a view into the middle "
+                     "of its storage: call .clone())")
 
 
 def _differing_keys(configs: list[dict], prefix: str = "") -> dict[str, list]:
@@ -209,7 +222,7 @@ class Dispatcher:
         if isinstance(x, tuple):
             raise InputError("x: a (x_fp8, x_scales) pair is dispatched only with the config's dispatch_dtype set "
                              f"(float8_e4m3fn); this config dispatches {cfg.dtype} rows")
-        _check_rows("x", x, None, cfg.hidden, (cfg.torch_dtype,), self.device, cfg.dtype)
+        _check_rows("x", x, None, cfg.hidden, (cfg.torch_dtype,), self.device, cfg.dtype, vector_rows=True)
         self._check_routing(x.shape[0], topk_idx, topk_weights)
         if torch.compiler.is_compiling():
             result = ops.dispatch(self._id, x, topk_idx, topk_weights)
@@ -239,13 +252,14 @@ class Dispatcher:
             if len(x) != 2:
                 raise InputError(f"x: expected a tensor or an (x_fp8, x_scales) pair, got a tuple of {len(x)}")
             x_fp8, x_scales = x
-            _check_rows("x_fp8", x_fp8, None, cfg.hidden, (fp8.FP8_DTYPE,), self.device, "float8_e4m3fn")
+            _check_rows("x_fp8", x_fp8, None, cfg.hidden, (fp8.FP8_DTYPE,), self.device, "float8_e4m3fn",
+                        vector_rows=True)
             _check_rows("x_scales", x_scales, x_fp8.shape[0], cfg.hidden // fp8.BLOCK, (torch.float32,),
                         self.device, "float32")
             num_tokens = x_fp8.shape[0]
             x = x_fp8
         else:
-            _check_rows("x", x, None, cfg.hidden, (cfg.torch_dtype,), self.device, cfg.dtype)
+            _check_rows("x", x, None, cfg.hidden, (cfg.torch_dtype,), self.device, cfg.dtype, vector_rows=True)
             num_tokens = x.shape[0]
             x_scales = None
         self._check_routing(num_tokens, topk_idx, topk_weights)
@@ -306,7 +320,8 @@ class Dispatcher:
             raise InputError(f"handle: expected the DispatchHandle of a dispatch call, got {type(handle).__name__}")
         if handle.dispatcher_id != self._id:
             raise InputError("handle: it comes from another Dispatcher; combine with the dispatcher that dispatched")
-        _check_rows("y", y, self.capacity_rows, cfg.hidden, (cfg.torch_dtype,), self.device, cfg.dtype)
+        _check_rows("y", y, self.capacity_rows, cfg.hidden, (cfg.torch_dtype,), self.device, cfg.dtype,
+                    vector_rows=True)
         weights = handle.topk_weights
         if torch.compiler.is_compiling():
             z = ops.combine(self._id, y, weights, handle.routing)

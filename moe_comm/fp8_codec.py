@@ -2,11 +2,11 @@
 
 Config-dtype rows are quantized by the dispatch kernels themselves as they send and expand them
 where the backend's kernels can (``Backend.quantizes_fp8``, GPUs of compute capability 8.9 or
-newer, scales not rounded): no pass over ``x`` runs before. Otherwise they are packed first, by the
-one-pass kernels of ``csrc/fp8.cu`` (:class:`moe_comm.kernels.Fp8PackKernels`) on such GPUs, by the
-torch reference (:mod:`moe_comm.fp8`) elsewhere and for power-of-two scales. Every way gives the
-same bytes, so the eager and the compiled paths (``moe_comm.ops``) share this one object per
-dispatcher.
+newer, scales not rounded): no pass over ``x`` runs before. A pre-quantized pair is read the same
+way there, each packed row built as it is sent and expanded. Otherwise rows are packed first, by the one-pass kernels of ``csrc/fp8.cu``
+(:class:`moe_comm.kernels.Fp8PackKernels`) on such GPUs, by the torch reference
+(:mod:`moe_comm.fp8`) elsewhere and for power-of-two scales. Every way gives the same bytes, so the
+eager and the compiled paths (``moe_comm.ops``) share this one object per dispatcher.
 """
 
 from __future__ import annotations
@@ -45,10 +45,13 @@ class Fp8Codec:
     def dispatch(self, backend: Backend, x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: torch.Tensor,
                  topk_weights: torch.Tensor, *, separate_outputs: bool = False) -> DispatchResult:
         """FP8 dispatch on ``backend`` of config-dtype ``x [T, H]`` (``x_scales`` None) or of the pair
-        ``x [T, H]`` e4m3 and ``x_scales [T, H/128]`` float32; the result's ``x`` holds packed rows.
-        No autograd graph is recorded: the kernels read ``x`` by address, and packing runs without one."""
-        if x_scales is None and backend.quantizes_fp8 and self._kernels is not None and not self._round_scale:
-            return backend.dispatch(x, topk_idx, topk_weights, separate_outputs=separate_outputs, quantize=True)
+        ``x [T, H]`` e4m3 and ``x_scales [T, H/128]`` float32 (contiguous, ``x`` 16-byte aligned: the
+        Dispatcher's checks); the result's ``x`` holds packed rows. No autograd graph is recorded: the
+        kernels read ``x`` by address, and packing runs without one. A pair's scales are its own, so
+        ``dispatch_round_scale`` concerns only config-dtype rows."""
+        if backend.quantizes_fp8 and self._kernels is not None and (x_scales is not None or not self._round_scale):
+            return backend.dispatch(x, topk_idx, topk_weights, separate_outputs=separate_outputs, quantize=True,
+                                    x_scales=x_scales)
         return backend.dispatch(self.pack(x, x_scales), topk_idx, topk_weights, separate_outputs=separate_outputs)
 
     @torch.no_grad()

@@ -316,7 +316,7 @@ class DispatchKernels:
                 (num_local_experts, _I), (expert_alignment, _I), (capacity, _I),
                 (self._block_counts.data_ptr(), _P), (self._barrier_flags.data_ptr(), _P), (capacity_rows, _I),
             ),
-            (_I, _I, _P, _I, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _P),
+            (_I, _I, _P, _I, _P, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _P),
         )
         self._redispatch_params = kernel_params(
             prefix + ((regions.recv_x_offset, _L), (regions.copy_stride, _L), (capacity_rows, _I)),
@@ -338,13 +338,16 @@ class DispatchKernels:
         out_x: torch.Tensor,
         *,
         quantize: bool = False,
+        x_scales: Optional[torch.Tensor] = None,
     ) -> None:
         """One dispatch. In: ``x [T, H]``, ``topk_idx [T, K]`` int32/int64, ``topk_weights [T, K]`` float32.
         Out (filled by the kernel): the routing's four tensors (source side ``send_mask``, ``dest_rank``;
         destination side ``recv_pos``, ``recv_weight``), ``expert_offsets``/``tokens_per_expert [L]``
         int32, ``out_x [capacity_rows, H]``. In an FP8 dispatch build (:func:`fp8_dispatch_defines`)
-        ``out_x`` holds packed FP8 rows, and ``x`` too, or with ``quantize`` rows of the build's dtype
-        that the kernel quantizes as it sends and expands them."""
+        ``out_x`` holds packed FP8 rows, and ``x`` too, or with ``quantize`` rows that the kernel
+        builds packed rows from as it sends and expands them: rows of the build's dtype, quantized,
+        or with ``x_scales [T, H / 128]`` float32 (contiguous) e4m3 rows ``x [T, H]`` (contiguous,
+        16-byte aligned), copied with their scales."""
         num_tokens = x.shape[0]
         # At world 1 no row leaves the rank: no block is held back to send, every one lays out and expands.
         senders = self._senders(num_tokens) if self._world_size > 1 else 0
@@ -352,7 +355,8 @@ class DispatchKernels:
         idle = self._grid - senders
         layout_blocks = min(self._layout_blocks, idle) if idle > 0 else self._layout_blocks
         params = self._dispatch_params.fill((
-            senders, layout_blocks, x.data_ptr(), int(quantize), topk_idx.data_ptr(),
+            senders, layout_blocks, x.data_ptr(), int(quantize), 0 if x_scales is None else x_scales.data_ptr(),
+            topk_idx.data_ptr(),
             1 if topk_idx.dtype == torch.int64 else 0,
             topk_weights.data_ptr(), num_tokens, routing.send_mask, routing.dest_rank, routing.recv_pos,
             routing.recv_weight, expert_offsets.data_ptr(), tokens_per_expert.data_ptr(), out_x.data_ptr(),

@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .autograd import combine_backward
+from .autograd import combine_backward, kernel_rows
 from .backends.base import Backend, DispatchResult
 from .errors import MoeCommError
 from .fp8 import packed_row_bytes
@@ -74,7 +74,7 @@ def _dispatch_op(
     x: Tensor, topk_idx: Tensor, topk_weights: Tensor, dispatcher_id: int
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns ``out.x``, ``expert_offsets``, ``tokens_per_expert`` and the routing's four tensors."""
-    result = _backend(dispatcher_id).dispatch(x, topk_idx, topk_weights, separate_outputs=True)
+    result = _backend(dispatcher_id).dispatch(kernel_rows(x), topk_idx, topk_weights, separate_outputs=True)
     routing = result.routing
     return (result.x, result.expert_offsets, result.tokens_per_expert, routing.send_mask, routing.dest_rank,
             routing.recv_pos, routing.recv_weight)
@@ -138,8 +138,9 @@ def _dispatch_fp8_op(
 
     Not differentiable: the gradient reaches ``x`` through :func:`dequantize_fp8` (straight through).
     """
-    result = _fp8_codecs[dispatcher_id].dispatch(_backend(dispatcher_id), x, x_scales, topk_idx, topk_weights,
-                                                 separate_outputs=True)
+    scales = None if x_scales is None else x_scales.contiguous()
+    result = _fp8_codecs[dispatcher_id].dispatch(_backend(dispatcher_id), kernel_rows(x), scales, topk_idx,
+                                                 topk_weights, separate_outputs=True)
     routing = result.routing
     return (result.x, result.expert_offsets, result.tokens_per_expert, routing.send_mask, routing.dest_rank,
             routing.recv_pos, routing.recv_weight)
@@ -211,7 +212,7 @@ def _combine_op(
     """``z [T, H]``; ``topk_weights`` is an input only so autograd can reach it (the weights the
     destination applies travelled with dispatch as ``recv_weight``)."""
     routing = _routing(send_mask, dest_rank, recv_pos, recv_weight)
-    return _backend(dispatcher_id).combine(y, routing, weighted=weighted)
+    return _backend(dispatcher_id).combine(kernel_rows(y), routing, weighted=weighted)
 
 
 @_combine_op.register_fake
@@ -258,7 +259,7 @@ def _redispatch_op(
     x: Tensor, send_mask: Tensor, dest_rank: Tensor, recv_pos: Tensor, recv_weight: Tensor, dispatcher_id: int
 ) -> Tensor:
     """``[capacity_rows, H]``: rows of ``x [T, H]`` sent along an existing routing."""
-    return _backend(dispatcher_id).redispatch(x, _routing(send_mask, dest_rank, recv_pos, recv_weight))
+    return _backend(dispatcher_id).redispatch(kernel_rows(x), _routing(send_mask, dest_rank, recv_pos, recv_weight))
 
 
 @_redispatch_op.register_fake

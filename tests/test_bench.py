@@ -164,11 +164,14 @@ def test_bench_rows_and_files(tmp_path):
                            dtype="float32", backend="reference", repeats=2, warmup=1, fp8=True)
     rows = run_ranks(bench_rank, 2, options)[0]
     assert [(r["system"], r["mode"], r["tokens"]) for r in rows] == [
-        ("moe_comm", "eager", 4), ("moe_comm fp8 dispatch", "eager", 4), (SymmMemAllToAll2d.name, "unavailable", 4)]
-    assert rows[2]["note"] == "needs CUDA GPUs (NVSHMEM)" and rows[2]["extra"]["combine_error"] is None
+        ("moe_comm", "eager", 4), ("moe_comm fp8 dispatch", "eager", 4),
+        ("moe_comm fp8 dispatch, pre-quantized", "eager", 4), (SymmMemAllToAll2d.name, "unavailable", 4)]
+    assert rows[3]["note"] == "needs CUDA GPUs (NVSHMEM)" and rows[3]["extra"]["combine_error"] is None
     assert rows[0]["extra"]["combine_error"] < 1e-5
-    # e4m3 rows: within their rounding (2^-4 of a block's largest value) of the exact result.
+    # e4m3 rows: within their rounding (2^-4 of a block's largest value) of the exact result; the
+    # pre-quantized pair of the same rows gives the same bytes, so the same error.
     assert 0 < rows[1]["extra"]["combine_error"] < 0.07
+    assert rows[2]["extra"]["combine_error"] == rows[1]["extra"]["combine_error"]
     assert all(rows[0][key] > 0 for key in ("dispatch_us", "combine_us", "total_us"))
     written = write_results(rows, {"world_size": 2, "device": "CPU"}, tmp_path, "smoke")
     assert json.loads((tmp_path / "smoke.json").read_text())["rows"] == rows
@@ -218,7 +221,7 @@ def test_cpu_defaults_are_a_smoke_run_and_flags_win():
     # --expert-alignment reaches the config every measurement is made with.
     aligned = bench._options(bench._parser().parse_args(["--expert-alignment", "1"]), gpus=1)
     assert (aligned.expert_alignment, given.expert_alignment) == (1, Config.expert_alignment)
-    assert bench._config(aligned, SimpleNamespace(static=(torch.empty(8, 0),)), None).expert_alignment == 1
+    assert bench._config(aligned, SimpleNamespace(source_x=torch.empty(8, 0)), None).expert_alignment == 1
     assert bench._options(bench._parser().parse_args([]), gpus=1).overlap_budgets == ()
 
 

@@ -17,6 +17,7 @@ import moe_comm
 from moe_comm import fp8
 from layer_checks import paired_layer_errors
 from multirank import run_ranks
+from tensor_views import off_boundary
 
 WORLD = 2
 BASE = dict(backend="reference", num_experts=8, topk=2, hidden=256, max_tokens_per_rank=12, expert_alignment=4)
@@ -133,10 +134,12 @@ def _rank_layer_and_refusals(rank: int, world: int) -> dict:
         bf16 = moe_comm.MoELayer(moe_comm.load_config(None, **BASE), 64, seed=3)
         results["errors"] = paired_layer_errors(layer, bf16, x)
         bf16.close()
+        pair = moe_comm.quantize(x)
         for name, call in (
             ("pair_shape", lambda: disp.dispatch((moe_comm.quantize(x)[0], torch.ones(12, 3)), idx, weights)),
             ("pair_dtype", lambda: disp.dispatch((x, torch.ones(12, 2)), idx, weights)),
             ("triple", lambda: disp.dispatch((x, x, x), idx, weights)),
+            ("pair_unaligned", lambda: disp.dispatch((off_boundary(pair[0]), pair[1]), idx, weights)),
         ):
             try:
                 call()
@@ -160,6 +163,8 @@ def test_fp8_layer_trains_close_to_bf16_and_malformed_pairs_are_refused():
         assert "x_scales" in result["pair_shape"] and "(12, 3)" in result["pair_shape"], result
         assert "x_fp8" in result["pair_dtype"] and "float8_e4m3fn" in result["pair_dtype"], result
         assert "tuple of 3" in result["triple"], result
+        assert result["pair_unaligned"].startswith("x_fp8: expected a tensor whose data starts on a 16-byte boundary"), \
+            result
         assert "dispatch_dtype" in result["pair_without_fp8"], result
 
 
@@ -179,8 +184,8 @@ class _RecordingBackend:
         self.quantizes_fp8 = quantizes_fp8
         self.calls = []
 
-    def dispatch(self, x, topk_idx, topk_weights, *, separate_outputs=False, quantize=False):
-        self.calls.append({"x": x, "separate_outputs": separate_outputs, "quantize": quantize})
+    def dispatch(self, x, topk_idx, topk_weights, *, separate_outputs=False, quantize=False, x_scales=None):
+        self.calls.append({"x": x, "separate_outputs": separate_outputs, "quantize": quantize, "x_scales": x_scales})
         return len(self.calls)
 
 
@@ -194,7 +199,7 @@ class _PackingKernels:
         return fp8.pack(x_fp8, scales)
 
 
-def test_fp8_codec_lets_quantizing_kernels_quantize_and_packs_for_everything_else():
+def test_fp8_codec_lets_quantizing_kernels_build_rows_and_packs_for_everything_else():
     from moe_comm.fp8_codec import Fp8Codec
 
     x, idx, weights = _inputs(0)
@@ -213,12 +218,18 @@ def test_fp8_codec_lets_quantizing_kernels_quantize_and_packs_for_everything_els
                 rows, given_pair = backend.calls
                 in_kernel = quantizing and kernels is not None and not round_scale
                 assert rows["quantize"] is in_kernel and rows["separate_outputs"] is True
+                assert rows["x_scales"] is None
                 if in_kernel:
                     assert rows["x"] is x
                 else:
                     assert torch.equal(rows["x"], want_packed)
-                # A pre-quantized pair is packed as it is, whoever dispatches it.
-                assert given_pair["quantize"] is False and torch.equal(given_pair["x"], packed)
+                # A pre-quantized pair goes to kernels that build FP8 rows as it is (its scales are
+                # its own: rounding does not apply), else it is packed as it is.
+                if quantizing and kernels is not None:
+                    assert given_pair["quantize"] is True
+                    assert given_pair["x"] is pair[0] and given_pair["x_scales"] is pair[1]
+                else:
+                    assert given_pair["quantize"] is False and torch.equal(given_pair["x"], packed)
 
 
 def _rank_collective_quantize(rank: int, world: int) -> str:

@@ -1,8 +1,9 @@
 """FP8 on the GPU (contract: FP8 format). The reference quantizer gives the CPU's bytes (the CUDA
 cast to e4m3 rounds as the CPU's does, so either device can be the yardstick), and FP8 dispatch on
 every device backend gives the reference backend's rows, scales and layout bit for bit: a
-pre-quantized pair eagerly, and bf16 rows quantized inside the call, captured in a CUDA graph and
-replayed with new rows and routing."""
+pre-quantized pair eagerly (the kernels read it as it is; one off a 16-byte boundary is refused),
+and bf16 rows quantized inside the call and a pair, captured in a CUDA graph and replayed with new
+rows and routing."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 import moe_comm
+from tensor_views import off_boundary
 
 pytestmark = pytest.mark.gpu
 
@@ -101,8 +103,9 @@ def _same_output(out, ref) -> bool:
 
 def _fp8_dispatch_checks(config: moe_comm.Config, shape: dict, gloo, gen: torch.Generator) -> list:
     """FP8 dispatch of one config (a device backend's, built from ``shape``) against the reference: a
-    pre-quantized pair eagerly, then bf16 rows quantized inside the call, captured once and replayed
-    with new rows and routing (4 results)."""
+    pre-quantized pair eagerly (read by the kernels as it is), and refused with its e4m3 rows off a
+    16-byte boundary (an error, not a fault); then bf16 rows quantized inside the call and a
+    pre-quantized pair, both captured once and replayed with new rows and routing (8 results)."""
     hidden, tokens = config.hidden, config.max_tokens_per_rank
     ref_shape = {key: value for key, value in shape.items() if key not in ("num_sms", "sm_budget")}
     results = []
@@ -111,20 +114,28 @@ def _fp8_dispatch_checks(config: moe_comm.Config, shape: dict, gloo, gen: torch.
         device = dev.device
         x, idx, weights = _fp8_inputs(gen, hidden, tokens)
         pair = tuple(t.to(device) for t in moe_comm.quantize(x))
-        results.append(_same_output(dev.dispatch(pair, idx.to(device), weights.to(device)),
-                                    ref.dispatch(x, idx, weights)))
+        want = ref.dispatch(x, idx, weights)
+        results.append(_same_output(dev.dispatch(pair, idx.to(device), weights.to(device)), want))
+        try:
+            dev.dispatch((off_boundary(pair[0]), pair[1]), idx.to(device), weights.to(device))
+            results.append("no error")
+        except moe_comm.InputError as exc:
+            results.append(str(exc).startswith("x_fp8: expected a tensor whose data starts on a 16-byte boundary"))
         static = [t.to(device) for t in (x, idx, weights)]
+        static_pair = [t.clone() for t in pair]
         out = dev.dispatch(*static)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = dev.dispatch(*static)
+            out_pair = dev.dispatch(tuple(static_pair), *static[1:])
         for _ in range(3):
             x, idx, weights = _fp8_inputs(gen, hidden, tokens)
-            for target, value in zip(static, (x, idx, weights)):
+            for target, value in zip(static + static_pair, (x, idx, weights) + moe_comm.quantize(x)):
                 target.copy_(value)
             graph.replay()
             torch.cuda.synchronize(device)
-            results.append(_same_output(out, ref.dispatch(x, idx, weights)))
+            want = ref.dispatch(x, idx, weights)
+            results += [_same_output(out, want), _same_output(out_pair, want)]
         dev.check()
     return results
 
@@ -166,7 +177,7 @@ def test_fp8_dispatch_equals_reference_bitwise(backend_id, world, shapes, requir
                          dist_backend=dist_backend_for(world, gpus), gpu=True, timeout_s=300)
     for rank, by_shape in enumerate(per_rank):
         for shape, same in by_shape.items():
-            assert same == [True] * 4, f"rank {rank}, shape {shape}: eager, then 3 replays: {same}"
+            assert same == [True] * 8, f"rank {rank}, shape {shape}: an eager pair, a refusal, 3 replays of 2: {same}"
 
 
 def _rank_fp8_training(rank: int, world: int, backend_id: str) -> dict:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 import moe_comm
 from multirank import run_ranks
+from tensor_views import off_boundary
 
 NUM_EXPERTS = 8
 TOPK = 2
@@ -54,6 +55,8 @@ def _validation(rank: int, world: int) -> None:
             ((x, idx, w[:, None]), r"topk_weights: expected shape \[4, 2\], got \(4, 1, 2\)"),
             ((x[None], idx, w), r"x: expected shape \[\*, 8\], got \(1, 4, 8\)"),
             ((x, idx.tolist(), w), "topk_idx: expected a torch.Tensor, got list"),
+            ((off_boundary(x), idx, w), "x: expected a tensor whose data starts on a 16-byte boundary .* got one "
+                                         "starting 4 bytes past one .*call .clone"),
         ]
         for args, message in cases:
             with pytest.raises(moe_comm.InputError, match=message):
@@ -64,6 +67,7 @@ def _validation(rank: int, world: int) -> None:
             ((y.double(), out.handle), "y: expected dtype float32, got torch.float64"),
             ((y.to("meta"), out.handle), "y: expected a tensor on cpu, got one on meta"),
             ((torch.randn(HIDDEN, disp.capacity_rows).t(), out.handle), "y: expected a contiguous tensor"),
+            ((off_boundary(y), out.handle), "y: expected a tensor whose data starts on a 16-byte boundary"),
             ((y, out.handle.routing), "handle: expected the DispatchHandle of a dispatch call, got Routing"),
         ]
         for args, message in combine_cases:

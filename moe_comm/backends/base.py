@@ -55,20 +55,23 @@ class Backend(abc.ABC):
         # Dispatch/redispatch calls the constructor made itself (a warm-up): the status word's call
         # numbers count them, the user's calls come after.
         self.warm_up_calls = 0
-        # Whether dispatch takes quantize=True (its kernels build FP8 rows as they send them).
+        # Whether dispatch takes quantize=True (its kernels build FP8 rows as they send them, from
+        # config-dtype rows or from a pre-quantized pair).
         self.quantizes_fp8 = False
 
     @abc.abstractmethod
     def dispatch(
         self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *, separate_outputs: bool = False,
-        quantize: bool = False,
+        quantize: bool = False, x_scales: Optional[torch.Tensor] = None,
     ) -> DispatchResult:
         """Send ``x [T, H]`` to the ranks of its experts and lay it out expert-major there.
 
         ``x`` is in the config dtype, or, with the config's ``dispatch_dtype`` set, packed FP8 rows
         ``[T, moe_comm.fp8.packed_row_bytes(H)]`` uint8, moved as bytes (the result's ``x`` is then
         packed rows too). ``quantize`` (only where ``quantizes_fp8``): ``x`` is in the config dtype
-        and the result holds its packed FP8 rows (``fp8.pack(*fp8.quantize(x))``, built on the way).
+        and the result holds its packed FP8 rows (``fp8.pack(*fp8.quantize(x))``, built on the way);
+        with ``x_scales [T, H / 128]`` float32 too, ``x`` holds e4m3 rows and the result their packed
+        rows (``fp8.pack(x, x_scales)``, built on the way: both contiguous, ``x`` 16-byte aligned).
 
         ``separate_outputs``: every returned tensor has its own storage (torch custom ops may not
         return aliasing tensors); otherwise a backend may pack small outputs into one allocation.

@@ -200,10 +200,10 @@ class CollectiveBackend(Backend):
 
     def dispatch(
         self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *, separate_outputs: bool = False,
-        quantize: bool = False,
+        quantize: bool = False, x_scales: Optional[torch.Tensor] = None,
     ) -> DispatchResult:
         del separate_outputs  # every output below is its own allocation
-        if quantize:
+        if quantize or x_scales is not None:
             raise BackendError(f"the {self.name} backend moves FP8 rows packed beforehand (moe_comm.fp8.pack), "
                                "it does not quantize them itself")
         cfg = self.config

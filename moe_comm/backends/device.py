@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -300,7 +300,7 @@ class DeviceBackend(Backend):
 
     def dispatch(
         self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *, separate_outputs: bool = False,
-        quantize: bool = False,
+        quantize: bool = False, x_scales: Optional[torch.Tensor] = None,
     ) -> DispatchResult:
         cfg = self.config
         device = self.device
@@ -309,7 +309,7 @@ class DeviceBackend(Backend):
         expert_offsets, tokens_per_expert, routing = outputs(
             num_tokens, self.world_size, cfg.max_tokens_per_rank, cfg.topk, self.num_local_experts, device
         )
-        # FP8 rows (given packed as uint8, or quantized on the way) go through their own build.
+        # FP8 rows (given packed as uint8, or built on the way) go through their own build.
         if quantize or x.dtype == torch.uint8:
             launcher = self._fp8_dispatch_kernels
             out_x = kernels.empty_rows(self.capacity_rows, self._fp8_row_bytes, torch.uint8, device)
@@ -317,7 +317,7 @@ class DeviceBackend(Backend):
             launcher = self._dispatch_kernels
             out_x = kernels.empty_rows(self.capacity_rows, x.shape[1], x.dtype, device)
         launcher.dispatch(x, topk_idx, topk_weights, _addresses(routing), expert_offsets, tokens_per_expert, out_x,
-                          quantize=quantize)
+                          quantize=quantize, x_scales=x_scales)
         return DispatchResult(out_x, expert_offsets, tokens_per_expert, routing)
 
     def redispatch(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
