@@ -105,7 +105,7 @@
 
 // ----------------------------------------------------------------- FP8 rows built on the way
 #if FP8_ROWS
-// FP8 dispatch of config-dtype x (`quantize`) builds the packed rows (common.cuh's FP8_ROW_BYTES)
+// FP8 dispatch of config-dtype x (`quantize`, no x_scales) builds the packed rows (FP8_ROW_BYTES)
 // from x's DTYPE rows itself, so no pass over x runs before the kernel: the senders quantize each
 // unit as they send it (fp8.cuh's quantize_unit). This rank's own rows: those of the first
 // FP8_PACK_OWN_MAX_TOKENS tokens are packed into the own slab by the early group's blocks that do
@@ -374,8 +374,8 @@ __device__ __forceinline__ void zero_next_call_tickets(u64* state, u64 epoch) {
     int num_senders, int layout_blocks, const void* __restrict__ x, int quantize,                                  \
     const float* __restrict__ x_scales, const void* __restrict__ topk_idx, int idx_is_64,                          \
     const float* __restrict__ topk_weights, int num_tokens, u8* __restrict__ send_mask,                            \
-    i32* __restrict__ dest_rank,                                                                                   \
-    i32* recv_pos, float* recv_weight, i32* expert_offsets, i32* tokens_per_expert, void* __restrict__ out_x
+    i32* __restrict__ dest_rank, i32* recv_pos, float* recv_weight, i32* expert_offsets, i32* tokens_per_expert,   \
+    void* __restrict__ out_x
 #define DISPATCH_ARGS                                                                                              \
     peers, rank, world, max_tokens_per_rank, state, status, timeout_ns, off_meta, off_recv_x, copy_stride,         \
     num_experts, chunk_tokens, num_local_experts, alignment, capacity, block_counts, barrier_flags, capacity_rows, \

@@ -24,8 +24,8 @@ __device__ __forceinline__ BatchShape slab_rows(SlabRows set, int rank, int worl
     return batch_shape(world * m, blocks);
 }
 
-// This rank's own rows, which dispatch reads where they are (they are never copied into its own
-// slab): x [num_tokens, ...] in the row format (ROW_BYTES a row), or, in an FP8 build with
+// This rank's own rows, which no sender copies into its own slab: dispatch reads them where they
+// are, x [num_tokens, ...] in the row format (ROW_BYTES a row), or, in an FP8 build with
 // `quantize`, the source of fp8_source_unit (x's DTYPE rows, or with `scales` the pre-quantized
 // pair x e4m3 / scales float32). Rows t < `packed` were packed into the own slab first (FP8 from
 // DTYPE rows): they are read from there.
@@ -56,8 +56,9 @@ __device__ __forceinline__ void for_each_kept_row(int lane, int pos, PosAt pos_a
 // unit's loads are issued before `pos` is used, so a caller that has just loaded it from memory
 // waits for both at once. pos_at(k): entry k's position, for a kept k (warp-uniform).
 template <typename PosAt>
-__device__ __forceinline__ void copy_row_unit(i64 g, int chunk, int pos, PosAt pos_at, const u8* recv, const OwnRows& own,
-                                              int rank, int max_tokens_per_rank, int capacity_rows, u8* out) {
+__device__ __forceinline__ void copy_row_unit(i64 g, int chunk, int pos, PosAt pos_at, const u8* recv,
+                                              const OwnRows& own, int rank, int max_tokens_per_rank, int capacity_rows,
+                                              u8* out) {
     typedef RowParts<EXPAND_VPL> Chunks;
     const int lane = threadIdx.x & 31;
     const i64 t = g - static_cast<i64>(rank) * max_tokens_per_rank;

@@ -3,10 +3,11 @@
 Config-dtype rows are quantized by the dispatch kernels themselves as they send and expand them
 where the backend's kernels can (``Backend.quantizes_fp8``, GPUs of compute capability 8.9 or
 newer, scales not rounded): no pass over ``x`` runs before. A pre-quantized pair is read the same
-way there, each packed row built as it is sent and expanded. Otherwise rows are packed first, by the one-pass kernels of ``csrc/fp8.cu``
-(:class:`moe_comm.kernels.Fp8PackKernels`) on such GPUs, by the torch reference
-(:mod:`moe_comm.fp8`) elsewhere and for power-of-two scales. Every way gives the same bytes, so the
-eager and the compiled paths (``moe_comm.ops``) share this one object per dispatcher.
+way there, each packed row built as it is sent and expanded. Otherwise rows are packed first, by
+the one-pass kernels of ``csrc/fp8.cu`` (:class:`moe_comm.kernels.Fp8PackKernels`) on such GPUs, by
+the torch reference (:mod:`moe_comm.fp8`) elsewhere and for power-of-two scales. Every way gives
+the same bytes, so the eager and the compiled paths (``moe_comm.ops``) share this one object per
+dispatcher.
 """
 
 from __future__ import annotations
