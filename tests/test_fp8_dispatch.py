@@ -136,7 +136,7 @@ def _rank_layer_and_refusals(rank: int, world: int) -> dict:
         bf16.close()
         pair = moe_comm.quantize(x)
         for name, call in (
-            ("pair_shape", lambda: disp.dispatch((moe_comm.quantize(x)[0], torch.ones(12, 3)), idx, weights)),
+            ("pair_shape", lambda: disp.dispatch((pair[0], torch.ones(12, 3)), idx, weights)),
             ("pair_dtype", lambda: disp.dispatch((x, torch.ones(12, 2)), idx, weights)),
             ("triple", lambda: disp.dispatch((x, x, x), idx, weights)),
             ("pair_unaligned", lambda: disp.dispatch((off_boundary(pair[0]), pair[1]), idx, weights)),
@@ -163,8 +163,8 @@ def test_fp8_layer_trains_close_to_bf16_and_malformed_pairs_are_refused():
         assert "x_scales" in result["pair_shape"] and "(12, 3)" in result["pair_shape"], result
         assert "x_fp8" in result["pair_dtype"] and "float8_e4m3fn" in result["pair_dtype"], result
         assert "tuple of 3" in result["triple"], result
-        assert result["pair_unaligned"].startswith("x_fp8: expected a tensor whose data starts on a 16-byte boundary"), \
-            result
+        unaligned = "x_fp8: expected a tensor whose data starts on a 16-byte boundary"
+        assert result["pair_unaligned"].startswith(unaligned), result
         assert "dispatch_dtype" in result["pair_without_fp8"], result
 
 
