@@ -150,14 +150,14 @@ __device__ __forceinline__ void send_fp8_unit(const i64* s_peer, int rank, i64 r
     for (int half = 0; half < 2; ++half) {
         const int half_v0 = v0 + 32 * kHalf * half;
         Vec16 vals[kHalf];
-        float scales[kHalf];
-        fp8_source_unit<kHalf>(own.x, own.scales, t, vals, scales, half_v0);
+        Vec16 quad;
+        fp8_source_unit<kHalf>(own.x, own.scales, t, vals, quad, half_v0);
 #if PUT_TRANSPORT
-        store_fp8_unit<kHalf>(staged, vals, scales, half_v0);
+        store_fp8_unit<kHalf>(staged, vals, quad, half_v0);
 #else
         for (u64 m = others; m != 0ull; m &= m - 1ull) {
             store_fp8_unit<kHalf>(reinterpret_cast<u8*>(s_peer[__ffsll(static_cast<i64>(m)) - 1] + row_offset), vals,
-                                  scales, half_v0);
+                                  quad, half_v0);
         }
 #endif
     }

@@ -68,10 +68,10 @@ __device__ __forceinline__ void copy_row_unit(i64 g, int chunk, int pos, PosAt p
     Vec16 vals[EXPAND_VPL];
 #if FP8_ROWS
     if (from_x && own.quantize) {
-        float scales[EXPAND_VPL];
-        fp8_source_unit<EXPAND_VPL>(own.x, own.scales, t, vals, scales, v0);
+        Vec16 quad;
+        fp8_source_unit<EXPAND_VPL>(own.x, own.scales, t, vals, quad, v0);
         for_each_kept_row(lane, pos, pos_at, capacity_rows, out,
-                          [&](u8* row) { store_fp8_unit<EXPAND_VPL>(row, vals, scales, v0); });
+                          [&](u8* row) { store_fp8_unit<EXPAND_VPL>(row, vals, quad, v0); });
         return;
     }
 #endif

@@ -88,11 +88,36 @@ __device__ __forceinline__ void fp8_encode(const float (&f)[N], float scale, u32
     }
 }
 
-// Warp-wide: unit v0 (RowParts numbering) of the DTYPE row at src_row, quantized: lane l gets
-// the e4m3 vectors v0 + 32 u (u < VPL, those < FP8_VECS) in vals and, first in its group, the
-// scale of their block in scales[u].
+// A unit's scale quads: lane q < VPL holds the scales of the unit's blocks 4q .. 4q + 3 (counted
+// from its first block, first_block = the unit's first vector / FP8_GROUP, a multiple of 4) as one
+// 16-byte vector, a block past the row's last as 0.0f (the zeros that follow the scales in a packed
+// row); the other lanes hold nothing. One 16-byte store a lane writes a unit's scales (a 4-byte
+// store per block took VPL stores of four lanes each, per destination: eight a unit in the
+// expansion). Warp-wide: the quads of a unit whose lanes hold scales[u], the scale of the block of
+// their vectors v0 + 32 u (every lane of a group: the butterfly of fp8_block_scale).
 template <int VPL>
-__device__ __forceinline__ void quantize_unit(const u8* src_row, Vec16 (&vals)[VPL], float (&scales)[VPL], int v0) {
+__device__ __forceinline__ Vec16 gather_scale_quads(const float (&scales)[VPL], int first_block) {
+    const int lane = threadIdx.x & 31;
+    Vec16 quad = zero16();
+#pragma unroll
+    for (int u = 0; u < VPL; ++u) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const u32 bits = __float_as_uint(__shfl_sync(FULL_MASK, scales[u], i * FP8_GROUP));
+            if (lane == u) quad.w[i] = bits;
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        if (first_block + 4 * lane + i >= HIDDEN / FP8_BLOCK) quad.w[i] = 0u;
+    }
+    return quad;
+}
+
+// Warp-wide: unit v0 (RowParts numbering) of the DTYPE row at src_row, quantized: lane l gets
+// the e4m3 vectors v0 + 32 u (u < VPL, those < FP8_VECS) in vals, and the unit's scale quads in quad.
+template <int VPL>
+__device__ __forceinline__ void quantize_unit(const u8* src_row, Vec16 (&vals)[VPL], Vec16& quad, int v0) {
     const int warp_v0 = v0 & ~31;  // the same for the whole warp: whole parts past the row are skipped
     Vec16 raw[VPL][ELEM_BYTES];    // the ELEM_BYTES DTYPE vectors of an e4m3 vector's 16 channels
 #pragma unroll
@@ -103,9 +128,11 @@ __device__ __forceinline__ void quantize_unit(const u8* src_row, Vec16 (&vals)[V
             raw[u][i] = v < FP8_VECS ? ld16_nc(src_row + (static_cast<i64>(v) * ELEM_BYTES + i) * 16) : zero16();
         }
     }
+    float scales[VPL];
 #pragma unroll
     for (int u = 0; u < VPL; ++u) {
-        if (warp_v0 + 32 * u >= FP8_VECS) break;
+        scales[u] = 0.0f;
+        if (warp_v0 + 32 * u >= FP8_VECS) continue;
         float f[16];
 #pragma unroll
         for (int i = 0; i < ELEM_BYTES; ++i) {
@@ -117,43 +144,56 @@ __device__ __forceinline__ void quantize_unit(const u8* src_row, Vec16 (&vals)[V
         scales[u] = fp8_block_scale<FP8_GROUP>(f);
         fp8_encode(f, scales[u], vals[u].w);
     }
+    quad = gather_scale_quads<VPL>(scales, warp_v0 / FP8_GROUP);
 }
 
 // Warp-wide: unit v0 of row t of an FP8 dispatch's own rows, as quantize_unit gives it (the e4m3
-// vectors in vals, each block's scale at the lane first in its group): x's DTYPE rows [T, HIDDEN]
-// quantized (scales null), or the pre-quantized pair x [T, HIDDEN] e4m3 and scales [T, HIDDEN /
-// FP8_BLOCK] float32 (moe_comm.quantize's format), copied: no pass packs the pair first.
+// vectors in vals, the unit's scale quads in quad): x's DTYPE rows [T, HIDDEN] quantized (scales
+// null), or the pre-quantized pair x [T, HIDDEN] e4m3 and scales [T, HIDDEN / FP8_BLOCK] float32
+// (moe_comm.quantize's format), copied: no pass packs the pair first.
 template <int VPL>
 __device__ __forceinline__ void fp8_source_unit(const u8* x, const float* scales, i64 t, Vec16 (&vals)[VPL],
-                                                float (&block_scales)[VPL], int v0) {
+                                                Vec16& quad, int v0) {
     if (scales == nullptr) {
-        quantize_unit<VPL>(x + t * SOURCE_ROW_BYTES, vals, block_scales, v0);
+        quantize_unit<VPL>(x + t * SOURCE_ROW_BYTES, vals, quad, v0);
         return;
     }
     const u8* row = x + t * HIDDEN;
-    const float* row_scales = scales + t * (HIDDEN / FP8_BLOCK);
 #pragma unroll
     for (int u = 0; u < VPL; ++u) {
         const int v = v0 + 32 * u;
         vals[u] = v < FP8_VECS ? ld16_nc(row + static_cast<i64>(v) * 16) : zero16();
-        block_scales[u] = v < FP8_VECS && v % FP8_GROUP == 0 ? __ldg(row_scales + v / FP8_GROUP) : 0.0f;
+    }
+    // Lane q < VPL loads its scale quad (4-byte loads: a row's scales need not start on 16 bytes).
+    const int lane = threadIdx.x & 31;
+    const int first = (v0 & ~31) / FP8_GROUP + 4 * lane;
+    const float* row_scales = scales + t * (HIDDEN / FP8_BLOCK);
+    quad = zero16();
+    if (lane < VPL) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            if (first + i < HIDDEN / FP8_BLOCK) quad.w[i] = __float_as_uint(__ldg(row_scales + first + i));
+        }
     }
 }
 
 // A quantized unit (quantize_unit) into the packed row at dst (local, or a peer's over NVLink):
-// its e4m3 vectors, its blocks' scales, and after the row's last scale the zeros up to FP8_ROW_BYTES.
+// its e4m3 vectors, its scale quads, and after the quad that holds the row's last scale the zero
+// quads up to FP8_ROW_BYTES.
 template <int VPL>
-__device__ __forceinline__ void store_fp8_unit(u8* dst, const Vec16 (&vals)[VPL], const float (&scales)[VPL], int v0) {
+__device__ __forceinline__ void store_fp8_unit(u8* dst, const Vec16 (&vals)[VPL], const Vec16& quad, int v0) {
 #pragma unroll
     for (int u = 0; u < VPL; ++u) {
         const int v = v0 + 32 * u;
-        if (v >= FP8_VECS) continue;
-        st16(dst + static_cast<i64>(v) * 16, vals[u]);
-        if (v % FP8_GROUP != 0) continue;
-        const int block = v / FP8_GROUP;
-        *reinterpret_cast<float*>(dst + HIDDEN + 4 * block) = scales[u];
-        if (block == HIDDEN / FP8_BLOCK - 1) {
-            for (int p = HIDDEN + FP8_SCALE_BYTES; p < FP8_ROW_BYTES; p += 4) *reinterpret_cast<u32*>(dst + p) = 0u;
+        if (v < FP8_VECS) st16(dst + static_cast<i64>(v) * 16, vals[u]);
+    }
+    constexpr int kLastQuad = (HIDDEN / FP8_BLOCK - 1) / 4;
+    const int lane = threadIdx.x & 31;
+    const int q = (v0 & ~31) / (4 * FP8_GROUP) + lane;  // the row's quad this lane holds
+    if (lane < VPL && q <= kLastQuad) {
+        st16(dst + HIDDEN + 16 * q, quad);
+        if (q == kLastQuad) {
+            for (int p = HIDDEN + 16 * (kLastQuad + 1); p < FP8_ROW_BYTES; p += 16) st16(dst + p, zero16());
         }
     }
 }
@@ -168,8 +208,8 @@ __device__ __forceinline__ void quantize_rows(const u8* x, int num_tokens, u8* p
         const i64 t = unit / kParts;
         const int v0 = static_cast<int>(unit - t * kParts) * kUnitVecs + (threadIdx.x & 31);
         Vec16 vals[VPL];
-        float scales[VPL];
-        quantize_unit<VPL>(x + t * SOURCE_ROW_BYTES, vals, scales, v0);
-        store_fp8_unit<VPL>(packed + t * FP8_ROW_BYTES, vals, scales, v0);
+        Vec16 quad;
+        quantize_unit<VPL>(x + t * SOURCE_ROW_BYTES, vals, quad, v0);
+        store_fp8_unit<VPL>(packed + t * FP8_ROW_BYTES, vals, quad, v0);
     }
 }
