@@ -88,16 +88,23 @@ __device__ __forceinline__ void fp8_encode(const float (&f)[N], float scale, u32
     }
 }
 
-// A unit's scale quads: lane q < VPL holds the scales of the unit's blocks 4q .. 4q + 3 (counted
-// from its first block, first_block = the unit's first vector / FP8_GROUP, a multiple of 4) as one
-// 16-byte vector, a block past the row's last as 0.0f (the zeros that follow the scales in a packed
-// row); the other lanes hold nothing. One 16-byte store a lane writes a unit's scales (a 4-byte
+// The row's scale quad (its blocks 4 * quad .. 4 * quad + 3) that this lane holds in unit v0
+// (RowParts numbering, lane included): the unit's first quad (its first vector / FP8_GROUP is a
+// multiple of 4) plus the lane; lanes q < VPL hold one.
+__device__ __forceinline__ int scale_quad_of_lane(int v0) {
+    return (v0 & ~31) / (4 * FP8_GROUP) + (threadIdx.x & 31);
+}
+
+// A unit's scale quads: lane q < VPL holds the scales of the unit's blocks 4q .. 4q + 3
+// (scale_quad_of_lane) as one 16-byte vector, a block past the row's last as 0.0f (the zeros that
+// follow the scales in a packed row); the other lanes hold nothing. One 16-byte store a lane writes a unit's scales (a 4-byte
 // store per block took VPL stores of four lanes each, per destination: eight a unit in the
 // expansion). Warp-wide: the quads of a unit whose lanes hold scales[u], the scale of the block of
 // their vectors v0 + 32 u (every lane of a group: the butterfly of fp8_block_scale).
 template <int VPL>
-__device__ __forceinline__ Vec16 gather_scale_quads(const float (&scales)[VPL], int first_block) {
+__device__ __forceinline__ Vec16 gather_scale_quads(const float (&scales)[VPL], int v0) {
     const int lane = threadIdx.x & 31;
+    const int first = 4 * scale_quad_of_lane(v0);
     Vec16 quad = zero16();
 #pragma unroll
     for (int u = 0; u < VPL; ++u) {
@@ -109,7 +116,7 @@ __device__ __forceinline__ Vec16 gather_scale_quads(const float (&scales)[VPL], 
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        if (first_block + 4 * lane + i >= HIDDEN / FP8_BLOCK) quad.w[i] = 0u;
+        if (first + i >= HIDDEN / FP8_BLOCK) quad.w[i] = 0u;
     }
     return quad;
 }
@@ -144,7 +151,7 @@ __device__ __forceinline__ void quantize_unit(const u8* src_row, Vec16 (&vals)[V
         scales[u] = fp8_block_scale<FP8_GROUP>(f);
         fp8_encode(f, scales[u], vals[u].w);
     }
-    quad = gather_scale_quads<VPL>(scales, warp_v0 / FP8_GROUP);
+    quad = gather_scale_quads<VPL>(scales, v0);
 }
 
 // Warp-wide: unit v0 of row t of an FP8 dispatch's own rows, as quantize_unit gives it (the e4m3
@@ -166,7 +173,7 @@ __device__ __forceinline__ void fp8_source_unit(const u8* x, const float* scales
     }
     // Lane q < VPL loads its scale quad (4-byte loads: a row's scales need not start on 16 bytes).
     const int lane = threadIdx.x & 31;
-    const int first = (v0 & ~31) / FP8_GROUP + 4 * lane;
+    const int first = 4 * scale_quad_of_lane(v0);
     const float* row_scales = scales + t * (HIDDEN / FP8_BLOCK);
     quad = zero16();
     if (lane < VPL) {
@@ -189,7 +196,7 @@ __device__ __forceinline__ void store_fp8_unit(u8* dst, const Vec16 (&vals)[VPL]
     }
     constexpr int kLastQuad = (HIDDEN / FP8_BLOCK - 1) / 4;
     const int lane = threadIdx.x & 31;
-    const int q = (v0 & ~31) / (4 * FP8_GROUP) + lane;  // the row's quad this lane holds
+    const int q = scale_quad_of_lane(v0);
     if (lane < VPL && q <= kLastQuad) {
         st16(dst + HIDDEN + 16 * q, quad);
         if (q == kLastQuad) {
