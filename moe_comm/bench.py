@@ -4,10 +4,11 @@ One rank per local GPU (or CPU ranks on the ``reference`` backend, for a smoke r
 workload (tokens per rank x routing) each system runs dispatch -> identity experts -> combine;
 times are medians over ``repeats`` measurements taken after a warm-up, each between two CUDA
 events (a host clock on CPU), with the inputs rotated over several sets so that caches do not
-flatter. Before each measurement the ranks are aligned: for a graph replay on the GPU (a short
-spin kernel covers the host's enqueueing, then an all_reduce that every GPU leaves at the same
-moment, then the start event), so the time is the replay's, as in a decode loop whose steps keep
-the ranks in lockstep; for eager calls on the host (an all_reduce and a synchronize), then one
+flatter. Before each measurement the ranks are aligned: for a graph replay on the GPU (a spin
+kernel covers the host's enqueueing, then an all_reduce that every GPU leaves at the same moment,
+then the start event), so the time is the replay's, as in a decode loop whose steps keep the ranks
+in lockstep (a replay that a rank issued only after its GPU had left the all_reduce is counted: a
+graph row says so in its note from 10% of a median's replays, and its JSON has the share); for eager calls on the host (an all_reduce and a synchronize), then one
 untimed call, then ``EAGER_CALLS`` calls issued back to back between the events, and the time is
 per call: the Python and launch work of a call shows wherever it exceeds the GPU's, as in a
 training or decode loop. (The first call after a synchronize pays the host's wake-up, once per
@@ -59,11 +60,15 @@ NUM_INPUT_SETS = 4
 # slower side (decode sizes) it starts the timed calls up to that kernel's time ahead, ~1 us a call
 # over 32 calls at T=128; where the GPU is slower the calls queue behind it anyway.
 EAGER_CALLS = 32
+# Share of a median's replays issued late (see _Timer.late_share) from which a row's note says so.
+LATE_NOTE_SHARE = 0.1
 # Experts that the skewed routing favours.
 NUM_HOT_EXPERTS = 8
-# GPU cycles of the spin kernel before an aligning all_reduce (~100 us: longer than the host
-# needs to enqueue the all_reduce, the events and a graph replay).
-_ALIGN_SPIN_CYCLES = 200_000
+# GPU cycles of the spin kernel before an aligning all_reduce (~500 us): longer than the host
+# needs to enqueue the all_reduce, the events and a graph replay even in a slow process. At 200k
+# (~100 us) one rank of 2x H200 issued 44 of 50 replays after its GPU had left the all_reduce,
+# and T=1 dispatch+combine read 47.9 us against 22.8; at 1M no median had more than one late.
+_ALIGN_SPIN_CYCLES = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -153,16 +158,23 @@ class _Timer:
         self.repeats = repeats
         self.warmup = warmup
         self._flag = torch.zeros(1, device=device)
+        # The largest share of one graph-replayed median_us's replays, on any rank, issued only after
+        # the GPU had left the aligning all_reduce (their times include the host's delay).
+        self.late_share = 0.0
 
-    def _align(self, on_gpu: bool) -> None:
+    def _align(self, on_gpu: bool) -> Optional[torch.cuda.Event]:
+        """Align the ranks; on the GPU returns an event recorded where the aligning all_reduce ends."""
         if on_gpu:
             torch.cuda.synchronize(self.device)
             torch.cuda._sleep(_ALIGN_SPIN_CYCLES)
             dist.all_reduce(self._flag, group=self.group)
-            return
+            aligned = torch.cuda.Event()
+            aligned.record()
+            return aligned
         dist.all_reduce(self._flag, group=self.group)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        return None
 
     def median_us(self, run: Callable[[], None], prepare: Callable[[int], None], *, replay: bool = False,
                   calls: int = 1) -> float:
@@ -174,14 +186,18 @@ class _Timer:
         """
         samples = []
         on_gpu = replay and self.device.type == "cuda"
+        late = 0
         for i in range(self.warmup + self.repeats):
             prepare(i)
-            self._align(on_gpu)
+            aligned = self._align(on_gpu)
             if not replay:
                 run()
             if self.device.type == "cuda":
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
+                # The GPU past the all_reduce before the replay is even issued: it idles, and the
+                # peers wait for this rank inside the timed replay.
+                late += int(aligned is not None and i >= self.warmup and aligned.query())
                 for _ in range(calls):
                     run()
                 end.record()
@@ -194,6 +210,10 @@ class _Timer:
                 elapsed_us = (time.perf_counter() - began) * 1e6
             if i >= self.warmup:
                 samples.append(elapsed_us / calls)
+        if on_gpu:
+            late_any = torch.tensor([late], device=self.device)
+            dist.all_reduce(late_any, op=dist.ReduceOp.MAX, group=self.group)
+            self.late_share = max(self.late_share, int(late_any.item()) / self.repeats)
         return statistics.median(samples)
 
 
@@ -343,6 +363,7 @@ def _measure_moe_comm(options: BenchOptions, work: _Workload, group, sm_budget: 
                 "combine_us": timer.median_us(graph_c.replay, _no_prepare, replay=True),
                 "total_us": timer.median_us(graph_all.replay, work.load, replay=True),
             }
+            result["late_share"] = timer.late_share
         disp.check()
     return result
 
@@ -380,6 +401,7 @@ def _measure_baseline(baseline, options: BenchOptions, work: _Workload, device: 
             "combine_us": timer.median_us(graph_c.replay, _no_prepare, replay=True),
             "total_us": timer.median_us(graph_all.replay, work.load, replay=True),
         }
+        result["late_share"] = timer.late_share
     else:
         result["eager"] = {
             "dispatch_us": timer.median_us(dispatch, _no_prepare, calls=EAGER_CALLS),
@@ -446,11 +468,18 @@ def _rows(system: str, measured: dict, num_tokens: int, routing: str, num_sms: O
             continue
         times = measured[mode]
         dispatch_us = times["dispatch_us"]
+        note = measured.get("note", "")
+        extra = {"combine_error": measured["error"]}
+        if mode == "graph" and "late_share" in measured:
+            extra["late_replay_share"] = measured["late_share"]
+            if measured["late_share"] >= LATE_NOTE_SHARE:
+                note = "; ".join(filter(None, (note, f"host late for {100 * measured['late_share']:.0f}% of a "
+                                                     "median's replays (their times include the wait)")))
         rows.append(Row(
             system=system, mode=mode, tokens=num_tokens, routing=routing, num_sms=num_sms, sm_budget=sm_budget,
             cross_gbps=cross_bytes / (dispatch_us * 1e3) if cross_bytes and dispatch_us else None,
             received_gbps=received_bytes / (dispatch_us * 1e3) if received_bytes and dispatch_us else None,
-            note=measured.get("note", ""), extra={"combine_error": measured["error"]}, **times,
+            note=note, extra=extra, **times,
         ))
     return rows
 

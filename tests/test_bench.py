@@ -334,3 +334,13 @@ def test_row_copy_benchmark_checks_and_times_every_kernel(tmp_path, requires_gpu
     assert [(r["kernel"], r["sms"]) for r in rows] == [
         (kernel, sms) for kernel in ("vector", "bulk", "sum (combine's shape)") for sms in (1, 3)]
     assert all(r["us"] > 0 for r in rows)
+
+
+def test_graph_rows_say_when_the_host_issued_replays_late():
+    times = {"dispatch_us": 10.0, "combine_us": 5.0, "total_us": 14.0}
+    measured = {"error": 0.0, "eager": dict(times), "graph": dict(times), "late_share": 0.44}
+    eager, graph = bench._rows("moe_comm", measured, 1, "uniform", 48, 0, 0)
+    assert "host late for 44% of a median's replays" in graph.note and eager.note == ""
+    assert graph.extra["late_replay_share"] == 0.44 and "late_replay_share" not in eager.extra
+    quiet = bench._rows("moe_comm", {**measured, "late_share": 0.02, "note": "eager: why"}, 1, "uniform", 48, 0, 0)
+    assert quiet[1].note == "eager: why" and quiet[1].extra["late_replay_share"] == 0.02
