@@ -454,10 +454,18 @@ def _measure_overlap(options: BenchOptions, work: _Workload, group, sm_budget: i
     shorter = min(times["comm_us"], times["gemm_us"])
     times["hidden"] = (times["comm_us"] + times["gemm_us"] - times["both_us"]) / shorter
     times["hidden_vs_whole"] = (times["comm_us"] + times["gemm_whole_us"] - times["both_us"]) / times["comm_us"]
-    note = f"GEMM {size}^3 bf16, cuBLASLt leaving {sm_budget} SMs"
+    note = _with_late_note(f"GEMM {size}^3 bf16, cuBLASLt leaving {sm_budget} SMs", timer.late_share)
     return Row(system="overlap", mode="graph", tokens=work.static[0].shape[0], routing="uniform",
                total_us=times["both_us"], num_sms=options.num_sms, sm_budget=sm_budget, note=note,
-               extra={"combine_error": None, **times})
+               extra={"combine_error": None, "late_replay_share": timer.late_share, **times})
+
+
+def _with_late_note(note: str, late_share: float) -> str:
+    """``note``, and from ``LATE_NOTE_SHARE`` of a median's replays issued late, a clause that says so."""
+    if late_share < LATE_NOTE_SHARE:
+        return note
+    late = f"host late for {100 * late_share:.0f}% of a median's replays (their times include the wait)"
+    return f"{note}; {late}" if note else late
 
 
 def _rows(system: str, measured: dict, num_tokens: int, routing: str, num_sms: Optional[int],
@@ -472,9 +480,7 @@ def _rows(system: str, measured: dict, num_tokens: int, routing: str, num_sms: O
         extra = {"combine_error": measured["error"]}
         if mode == "graph" and "late_share" in measured:
             extra["late_replay_share"] = measured["late_share"]
-            if measured["late_share"] >= LATE_NOTE_SHARE:
-                note = "; ".join(filter(None, (note, f"host late for {100 * measured['late_share']:.0f}% of a "
-                                                     "median's replays (their times include the wait)")))
+            note = _with_late_note(note, measured["late_share"])
         rows.append(Row(
             system=system, mode=mode, tokens=num_tokens, routing=routing, num_sms=num_sms, sm_budget=sm_budget,
             cross_gbps=cross_bytes / (dispatch_us * 1e3) if cross_bytes and dispatch_us else None,
