@@ -304,6 +304,17 @@ def _chunked_scenarios(rank, world, gloo, backend: str, section: dict) -> None:
             _eager_step(dev, ref, rank, world, x, idx, weights, generator, f"chunked, T={num_tokens} (rank {rank})")
 
 
+def _no_padding_scenario(rank, world, gloo, backend: str, section: dict) -> None:
+    """expert_alignment 1 (configs/single-node-decode.yaml's): the segments back to back, no padding
+    row for the padding roles to zero, eager and graph-replayed, bitwise the reference."""
+    generator = torch.Generator().manual_seed(1400 + rank)
+    with moe_comm.Dispatcher(_config(backend, "bfloat16", expert_alignment=1, **section)) as dev, \
+            moe_comm.Dispatcher(_config("reference", "bfloat16", expert_alignment=1), group=gloo) as ref:
+        assert dev.capacity_rows == ref.capacity_rows == world * MAX_TOKENS * TOPK
+        _eager_scenarios(dev, ref, rank, world, torch.bfloat16, generator, ("random", "one_expert", "empty"))
+        _graph_scenarios(dev, ref, rank, world, torch.bfloat16, generator)
+
+
 # SM budgets: one SM (every role on one block: metadata, rows, layout, expansion), three (fewer
 # blocks than senders asked for), and the chunked rows on three (chunk flags with few senders,
 # arrival batches by ticket).
@@ -418,7 +429,7 @@ def _ahead_scenario(rank, world, gloo, backend: str, section: dict) -> None:
             _check_status(dev, ref, f"ahead, slab_copies {copies}")
 
 
-# Capacity drops, SM budgets, many local experts and the one-block layout are decided on each
+# Capacity drops, no padding, SM budgets, many local experts and the one-block layout are decided on each
 # rank alone (the peers only fill its slabs, as at every world): worlds 1 and 2 check them, and
 # worlds 4 and 8 (the two slowest tests of the GPU suite when their ranks time-slice one GPU) run
 # the scenarios whose work grows with the peers: every routing eager and replayed, chunked
@@ -444,6 +455,7 @@ def _rank_main(rank: int, world: int, backend_id: str) -> None:
     _chunked_scenarios(rank, world, gloo, backend, section)
     if world <= PER_RANK_SCENARIOS_MAX_WORLD:
         _capacity_scenarios(rank, world, gloo, backend, section)
+        _no_padding_scenario(rank, world, gloo, backend, section)
         _budget_scenarios(rank, world, gloo, backend, section)
         _many_experts_scenario(rank, world, gloo, backend, section)
         _one_layout_block_scenario(rank, world, gloo, backend, section)
