@@ -97,10 +97,11 @@ __device__ __forceinline__ int scale_quad_of_lane(int v0) {
 
 // A unit's scale quads: lane q < VPL holds the scales of the unit's blocks 4q .. 4q + 3
 // (scale_quad_of_lane) as one 16-byte vector, a block past the row's last as 0.0f (the zeros that
-// follow the scales in a packed row); the other lanes hold nothing. One 16-byte store a lane writes a unit's scales (a 4-byte
-// store per block took VPL stores of four lanes each, per destination: eight a unit in the
-// expansion). Warp-wide: the quads of a unit whose lanes hold scales[u], the scale of the block of
-// their vectors v0 + 32 u (every lane of a group: the butterfly of fp8_block_scale).
+// follow the scales in a packed row); the other lanes hold nothing. One 16-byte store a lane
+// writes a unit's scales (a 4-byte store per block took VPL stores of four lanes each, per
+// destination: eight a unit in the expansion). Warp-wide: the quads of a unit whose lanes hold
+// scales[u], the scale of the block of their vectors v0 + 32 u (every lane of a group: the
+// butterfly of fp8_block_scale).
 template <int VPL>
 __device__ __forceinline__ Vec16 gather_scale_quads(const float (&scales)[VPL], int v0) {
     const int lane = threadIdx.x & 31;

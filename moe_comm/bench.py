@@ -8,18 +8,20 @@ flatter. Before each measurement the ranks are aligned: for a graph replay on th
 kernel covers the host's enqueueing, then an all_reduce that every GPU leaves at the same moment,
 then the start event), so the time is the replay's, as in a decode loop whose steps keep the ranks
 in lockstep (a replay that a rank issued only after its GPU had left the all_reduce is counted: a
-graph row says so in its note from 10% of a median's replays, and its JSON has the share); for eager calls on the host (an all_reduce and a synchronize), then one
-untimed call, then ``EAGER_CALLS`` calls issued back to back between the events, and the time is
-per call: the Python and launch work of a call shows wherever it exceeds the GPU's, as in a
-training or decode loop. (The first call after a synchronize pays the host's wake-up, once per
+graph row says so in its note from 10% of a median's replays, and its JSON has the share); for
+eager calls on the host (an all_reduce and a synchronize), then one untimed call, then
+``EAGER_CALLS`` calls issued back to back between the events, and the time is per call: the
+Python and launch work of a call shows wherever it exceeds the GPU's, as in a training or decode
+loop. (The first call after a synchronize pays the host's wake-up, once per
 step in a loop, not per call: on the GPU machines one eager dispatch took 150 us of host time
 there against 40 us back to back, and with 8 timed calls that one call added ~20 us to each.)
 moe_comm is measured eager and graph-replayed; the padded baseline graph-replayed; the
 host-split baseline eager (it synchronises); torch's NVSHMEM ``all_to_all_vdev_2d`` baseline
 graph-replayed, or eager with the reason in the table's note if torch refuses to capture it,
 and listed as unavailable (with the reason) where it cannot run: no GPU or NVSHMEM, or this
-process already uses another symmetric-memory provider (moe_comm's ``nccl`` symmetric transport). Every system's combine result is checked once per workload against
-the expected ``sum_k w_k x_t``.
+process already uses another symmetric-memory provider (moe_comm's ``nccl`` symmetric
+transport). Every system's combine result is checked once per workload against the expected
+``sum_k w_k x_t``.
 
 Bandwidth is reported two ways: bytes that cross the link (rows sent to other ranks) and bytes
 received including the rank's own rows (the convention DeepEP reports).
