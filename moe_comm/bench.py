@@ -12,9 +12,9 @@ graph row says so in its note from 10% of a median's replays, and its JSON has t
 eager calls on the host (an all_reduce and a synchronize), then one untimed call, then
 ``EAGER_CALLS`` calls issued back to back between the events, and the time is per call: the
 Python and launch work of a call shows wherever it exceeds the GPU's, as in a training or decode
-loop. (The first call after a synchronize pays the host's wake-up, once per
-step in a loop, not per call: on the GPU machines one eager dispatch took 150 us of host time
-there against 40 us back to back, and with 8 timed calls that one call added ~20 us to each.)
+loop. (The first call after a synchronize pays the host's wake-up, once per step in a loop, not
+per call: on the GPU machines one eager dispatch took 150 us of host time there against 40 us
+back to back, and with 8 timed calls that one call added ~20 us to each.)
 moe_comm is measured eager and graph-replayed; the padded baseline graph-replayed; the
 host-split baseline eager (it synchronises); torch's NVSHMEM ``all_to_all_vdev_2d`` baseline
 graph-replayed, or eager with the reason in the table's note if torch refuses to capture it,
