@@ -14,7 +14,10 @@ eager calls on the host (an all_reduce and a synchronize), then one untimed call
 Python and launch work of a call shows wherever it exceeds the GPU's, as in a training or decode
 loop. (The first call after a synchronize pays the host's wake-up, once per step in a loop, not
 per call: on the GPU machines one eager dispatch took 150 us of host time there against 40 us
-back to back, and with 8 timed calls that one call added ~20 us to each.)
+back to back, and with 8 timed calls that one call added ~20 us to each.) Right after each eager
+median a fixed pure-Python loop is timed, the host's speed then (the JSON's ``host_loop_us``, the
+slowest of a row's three and of the ranks): an eager row whose loop took ``HOST_SLOW_NOTE_RATIO``
+times the run's fastest or more says so in its note.
 moe_comm is measured eager and graph-replayed; the padded baseline graph-replayed; the
 host-split baseline eager (it synchronises); torch's NVSHMEM ``all_to_all_vdev_2d`` baseline
 graph-replayed, or eager with the reason in the table's note if torch refuses to capture it,
@@ -64,6 +67,13 @@ NUM_INPUT_SETS = 4
 EAGER_CALLS = 32
 # Share of a median's replays issued late (see _Timer.late_share) from which a row's note says so.
 LATE_NOTE_SHARE = 0.1
+# A fixed pure-Python loop, timed right after each eager median: the host's speed at that moment.
+# Eager times at decode sizes are the host's Python and launch work, and on the GPU machines both
+# it and such a loop ran ~1.5x slower in some processes or stretches of one (docs/design.md).
+HOST_LOOP_ITERATIONS = 2000
+HOST_LOOP_SAMPLES = 15
+# From this ratio of an eager row's host loop time to the run's fastest, the row's note says so.
+HOST_SLOW_NOTE_RATIO = 1.25
 # Experts that the skewed routing favours.
 NUM_HOT_EXPERTS = 8
 # GPU cycles of the spin kernel before an aligning all_reduce (~500 us): longer than the host
@@ -219,6 +229,29 @@ class _Timer:
         return statistics.median(samples)
 
 
+def _host_loop_us() -> float:
+    """Median time in us of ``HOST_LOOP_SAMPLES`` runs of a fixed pure-Python loop (no torch, no GPU)."""
+    samples = []
+    for _ in range(HOST_LOOP_SAMPLES):
+        began = time.perf_counter()
+        value = 0
+        for i in range(HOST_LOOP_ITERATIONS):
+            value = (value * 3 + i) & 0xFFFF
+        samples.append((time.perf_counter() - began) * 1e6)
+    return statistics.median(samples)
+
+
+def _eager_times(timer: _Timer, dispatch: Callable[[], None], combine: Callable[[], None],
+                 step: Callable[[], None]) -> tuple[dict, float]:
+    """Eager medians of ``dispatch``, ``combine`` and ``step`` (``EAGER_CALLS`` calls back to back
+    each), and the slowest of the host loop times (:func:`_host_loop_us`) taken right after each."""
+    times, loops = {}, []
+    for key, run in (("dispatch_us", dispatch), ("combine_us", combine), ("total_us", step)):
+        times[key] = timer.median_us(run, _no_prepare, calls=EAGER_CALLS)
+        loops.append(_host_loop_us())
+    return times, max(loops)
+
+
 def _expected(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Identity experts: ``z[t] = sum_k w[t, k] * x[t]`` in float32."""
     return x.float() * weights.sum(dim=1, keepdim=True)
@@ -350,12 +383,8 @@ def _measure_moe_comm(options: BenchOptions, work: _Workload, group, sm_budget: 
         def eager_combine() -> None:
             disp.combine(expert_rows, latest["out"].handle)
 
-        result["eager"] = {
-            "dispatch_us": timer.median_us(eager_dispatch, _no_prepare, calls=EAGER_CALLS),
-            "combine_us": timer.median_us(eager_combine, _no_prepare, calls=EAGER_CALLS),
-            "total_us": timer.median_us(lambda: _moe_comm_step(disp, work.next_set(), fixed_rows), _no_prepare,
-                                        calls=EAGER_CALLS),
-        }
+        result["eager"], result["host_loop_us"] = _eager_times(
+            timer, eager_dispatch, eager_combine, lambda: _moe_comm_step(disp, work.next_set(), fixed_rows))
         if graphs and disp.device.type == "cuda":
             graph_d, graph_out = _graph(disp.device, lambda: disp.dispatch(*work.static))
             graph_c, _ = _graph(disp.device, lambda: disp.combine(expert_rows, graph_out.handle))
@@ -405,11 +434,8 @@ def _measure_baseline(baseline, options: BenchOptions, work: _Workload, device: 
         }
         result["late_share"] = timer.late_share
     else:
-        result["eager"] = {
-            "dispatch_us": timer.median_us(dispatch, _no_prepare, calls=EAGER_CALLS),
-            "combine_us": timer.median_us(lambda: baseline.combine(latest["rows"]), _no_prepare, calls=EAGER_CALLS),
-            "total_us": timer.median_us(step, _no_prepare, calls=EAGER_CALLS),
-        }
+        result["eager"], result["host_loop_us"] = _eager_times(
+            timer, dispatch, lambda: baseline.combine(latest["rows"]), step)
     return result
 
 
@@ -483,6 +509,8 @@ def _rows(system: str, measured: dict, num_tokens: int, routing: str, num_sms: O
         if mode == "graph" and "late_share" in measured:
             extra["late_replay_share"] = measured["late_share"]
             note = _with_late_note(note, measured["late_share"])
+        if mode == "eager" and "host_loop_us" in measured:
+            extra["host_loop_us"] = measured["host_loop_us"]
         rows.append(Row(
             system=system, mode=mode, tokens=num_tokens, routing=routing, num_sms=num_sms, sm_budget=sm_budget,
             cross_gbps=cross_bytes / (dispatch_us * 1e3) if cross_bytes and dispatch_us else None,
@@ -593,7 +621,7 @@ def bench_rank(rank: int, world_size: int, options: BenchOptions) -> list[dict]:
     if options.overlap_budgets and device.type == "cuda":
         work = _Workload(options, options.overlap_tokens, "uniform", rank, device)
         rows += [_measure_overlap(options, work, group, budget) for budget in options.overlap_budgets]
-    return _average_over_ranks([asdict(row) for row in rows], rank, world_size, group)
+    return _with_slow_host_notes(_average_over_ranks([asdict(row) for row in rows], rank, world_size, group))
 
 
 def _average_over_ranks(rows: list[dict], rank: int, world_size: int, group) -> list[dict]:
@@ -611,8 +639,26 @@ def _average_over_ranks(rows: list[dict], rank: int, world_size: int, group) -> 
         errors = [r["extra"]["combine_error"] for r in per_rank if r["extra"]["combine_error"] is not None]
         # Other extras (the overlap times) are rank 0's: the ranks ran them aligned.
         row["extra"] = {**row["extra"], "combine_error": max(errors) if errors else None}
+        if "host_loop_us" in row["extra"]:  # the slowest host sets a collective eager step
+            row["extra"]["host_loop_us"] = max(r["extra"]["host_loop_us"] for r in per_rank)
         merged.append(row)
     return merged
+
+
+def _with_slow_host_notes(rows: list[dict]) -> list[dict]:
+    """``rows``, where each eager row whose host loop (``extra["host_loop_us"]``) took
+    ``HOST_SLOW_NOTE_RATIO`` or more times the run's fastest says so in its note: its times are
+    those of a slower host, not of the library."""
+    loops = [row["extra"]["host_loop_us"] for row in rows if "host_loop_us" in row["extra"]]
+    if not loops:
+        return rows
+    fastest = min(loops)
+    for row in rows:
+        loop = row["extra"].get("host_loop_us")
+        if loop is not None and loop >= HOST_SLOW_NOTE_RATIO * fastest:
+            slow = f"host slow: a Python loop took {loop / fastest:.1f}x its time in this run's fastest eager row"
+            row["note"] = f"{row['note']}; {slow}" if row["note"] else slow
+    return rows
 
 
 def _cell(value: Optional[float], digits: int = 1) -> str:

@@ -173,6 +173,7 @@ def test_bench_rows_and_files(tmp_path):
     assert 0 < rows[1]["extra"]["combine_error"] < 0.07
     assert rows[2]["extra"]["combine_error"] == rows[1]["extra"]["combine_error"]
     assert all(rows[0][key] > 0 for key in ("dispatch_us", "combine_us", "total_us"))
+    assert all(row["extra"]["host_loop_us"] > 0 for row in rows[:3]) and "host_loop_us" not in rows[3]["extra"]
     written = write_results(rows, {"world_size": 2, "device": "CPU"}, tmp_path, "smoke")
     assert json.loads((tmp_path / "smoke.json").read_text())["rows"] == rows
     table = (tmp_path / "smoke.md").read_text()
@@ -344,3 +345,16 @@ def test_graph_rows_say_when_the_host_issued_replays_late():
     assert graph.extra["late_replay_share"] == 0.44 and "late_replay_share" not in eager.extra
     quiet = bench._rows("moe_comm", {**measured, "late_share": 0.02, "note": "eager: why"}, 1, "uniform", 48, 0, 0)
     assert quiet[1].note == "eager: why" and quiet[1].extra["late_replay_share"] == 0.02
+
+
+def test_eager_rows_say_when_the_host_ran_slow():
+    times = {"dispatch_us": 10.0, "combine_us": 5.0, "total_us": 14.0}
+    eager, graph = bench._rows("moe_comm", {"error": 0.0, "eager": dict(times), "graph": dict(times),
+                                            "host_loop_us": 80.0}, 1, "uniform", 48, 0, 0)
+    assert eager.extra["host_loop_us"] == 80.0 and "host_loop_us" not in graph.extra
+    rows = [{"note": "", "extra": {"host_loop_us": 100.0}}, {"note": "eager: why", "extra": {"host_loop_us": 131.0}},
+            {"note": "", "extra": {"host_loop_us": 124.0}}, {"note": "", "extra": {"combine_error": None}}]
+    noted = bench._with_slow_host_notes(rows)
+    assert [row["note"] for row in noted] == [
+        "", "eager: why; host slow: a Python loop took 1.3x its time in this run's fastest eager row", "", ""]
+    assert bench._with_slow_host_notes([{"note": "", "extra": {}}]) == [{"note": "", "extra": {}}]
