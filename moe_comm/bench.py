@@ -16,8 +16,8 @@ loop. (The first call after a synchronize pays the host's wake-up, once per step
 per call: on the GPU machines one eager dispatch took 150 us of host time there against 40 us
 back to back, and with 8 timed calls that one call added ~20 us to each.) Right after each eager
 median a fixed pure-Python loop is timed, the host's speed then (the JSON's ``host_loop_us``, the
-slowest of a row's three and of the ranks): an eager row whose loop took ``HOST_SLOW_NOTE_RATIO``
-times the run's fastest or more says so in its note.
+slowest of a row's three and of the ranks): an eager row's note gives it, and says "host slow" from
+``HOST_SLOW_NOTE_RATIO`` times the run's fastest.
 moe_comm is measured eager and graph-replayed; the padded baseline graph-replayed; the
 host-split baseline eager (it synchronises); torch's NVSHMEM ``all_to_all_vdev_2d`` baseline
 graph-replayed, or eager with the reason in the table's note if torch refuses to capture it,
@@ -621,7 +621,7 @@ def bench_rank(rank: int, world_size: int, options: BenchOptions) -> list[dict]:
     if options.overlap_budgets and device.type == "cuda":
         work = _Workload(options, options.overlap_tokens, "uniform", rank, device)
         rows += [_measure_overlap(options, work, group, budget) for budget in options.overlap_budgets]
-    return _with_slow_host_notes(_average_over_ranks([asdict(row) for row in rows], rank, world_size, group))
+    return _with_host_loop_notes(_average_over_ranks([asdict(row) for row in rows], rank, world_size, group))
 
 
 def _average_over_ranks(rows: list[dict], rank: int, world_size: int, group) -> list[dict]:
@@ -645,19 +645,21 @@ def _average_over_ranks(rows: list[dict], rank: int, world_size: int, group) -> 
     return merged
 
 
-def _with_slow_host_notes(rows: list[dict]) -> list[dict]:
-    """``rows``, where each eager row whose host loop (``extra["host_loop_us"]``) took
-    ``HOST_SLOW_NOTE_RATIO`` or more times the run's fastest says so in its note: its times are
-    those of a slower host, not of the library."""
+def _with_host_loop_notes(rows: list[dict]) -> list[dict]:
+    """``rows``, each eager row's note giving its host loop time (``extra["host_loop_us"]``, which
+    compares runs on like hosts), and saying "host slow" where it is ``HOST_SLOW_NOTE_RATIO`` or more
+    times the run's fastest: that row's times are a slower host's, not the library's. (A run whose
+    host is slow throughout shows only in the times themselves.)"""
     loops = [row["extra"]["host_loop_us"] for row in rows if "host_loop_us" in row["extra"]]
-    if not loops:
-        return rows
-    fastest = min(loops)
+    fastest = min(loops, default=None)
     for row in rows:
         loop = row["extra"].get("host_loop_us")
-        if loop is not None and loop >= HOST_SLOW_NOTE_RATIO * fastest:
-            slow = f"host slow: a Python loop took {loop / fastest:.1f}x its time in this run's fastest eager row"
-            row["note"] = f"{row['note']}; {slow}" if row["note"] else slow
+        if loop is None:
+            continue
+        ratio = loop / fastest
+        host = (f"host slow: Python loop {loop:.0f} us, {ratio:.1f}x this run's fastest"
+                if ratio >= HOST_SLOW_NOTE_RATIO else f"host loop {loop:.0f} us")
+        row["note"] = f"{row['note']}; {host}" if row["note"] else host
     return rows
 
 

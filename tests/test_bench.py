@@ -354,7 +354,7 @@ def test_eager_rows_say_when_the_host_ran_slow():
     assert eager.extra["host_loop_us"] == 80.0 and "host_loop_us" not in graph.extra
     rows = [{"note": "", "extra": {"host_loop_us": 100.0}}, {"note": "eager: why", "extra": {"host_loop_us": 131.0}},
             {"note": "", "extra": {"host_loop_us": 124.0}}, {"note": "", "extra": {"combine_error": None}}]
-    noted = bench._with_slow_host_notes(rows)
+    noted = bench._with_host_loop_notes(rows)
     assert [row["note"] for row in noted] == [
-        "", "eager: why; host slow: a Python loop took 1.3x its time in this run's fastest eager row", "", ""]
-    assert bench._with_slow_host_notes([{"note": "", "extra": {}}]) == [{"note": "", "extra": {}}]
+        "host loop 100 us", "eager: why; host slow: Python loop 131 us, 1.3x this run's fastest", "host loop 124 us", ""]
+    assert bench._with_host_loop_notes([{"note": "", "extra": {}}]) == [{"note": "", "extra": {}}]
