@@ -17,6 +17,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from capture import warm_up_on_side_stream
 from moe_comm import Dispatcher
 from moe_comm.balancing import expert_counts
 from moe_comm.layer import MoELayer, MoEWeights
@@ -202,12 +203,11 @@ def decode_graph_errors(layer: MoELayer, tokens: Callable[[int], torch.Tensor], 
     static = {n: tokens(n) for n in buckets}
     graphs = {}
     with torch.no_grad():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        def warm_up():
             for n in buckets:
                 layer(static[n])
-        torch.cuda.current_stream().wait_stream(side)
+
+        warm_up_on_side_stream(warm_up)
         pool = torch.cuda.graph_pool_handle()
         for n in buckets:
             graph = torch.cuda.CUDAGraph()

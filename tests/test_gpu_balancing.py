@@ -21,6 +21,7 @@ from torch import nn
 
 import moe_comm
 from moe_comm.layer import MoELayer
+from capture import warm_up_on_side_stream
 from gpu_backends import dist_backend_for, gpus_needed
 from layer_checks import BASE, FFN, TOLERANCE, assert_within, decode_graph_errors, layer_errors, rel_err
 from multirank import run_ranks
@@ -82,14 +83,14 @@ def _train_graph(disp: moe_comm.Dispatcher, rank: int) -> dict:
     opt_eager = torch.optim.SGD(eager.parameters(), lr=0.01, momentum=0.5)
     opt_graph = torch.optim.SGD(graphed.parameters(), lr=0.01, momentum=0.5)
     static_x, static_target = batch()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
+
+    def warm_up():
         for _ in range(WARMUP_STEPS):
             x, target = batch()
             _step(eager, opt_eager, x, target)
             _step(graphed, opt_graph, x, target)
-    torch.cuda.current_stream().wait_stream(side)
+
+    warm_up_on_side_stream(warm_up)
     moe_comm.update_expert_biases(eager)
     moe_comm.update_expert_biases(graphed)
 

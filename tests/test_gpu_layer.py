@@ -27,6 +27,7 @@ from torch import nn
 
 import moe_comm
 from moe_comm.layer import MoELayer
+from capture import warm_up_on_side_stream
 from gpu_backends import GPU_BACKENDS, compile_kernels, dist_backend_for, gpus_needed
 from layer_checks import BASE, FFN, TOLERANCE, assert_within, decode_graph_errors, layer_errors, rel_err
 from multirank import run_ranks
@@ -101,16 +102,13 @@ def _train_graph(disp: moe_comm.Dispatcher, rank: int, optimizer_in_graph: bool)
     opt_graph = torch.optim.SGD(graphed.parameters(), lr=0.05, momentum=0.9)
     static_x, static_target = batch()
 
-    # torch's whole-network capture recipe: eager warm-up steps on a side stream (cuBLAS
-    # workspaces, NCCL communicators, the momentum buffers), on both models with the same batches.
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
+    def warm_up():  # on both models with the same batches (it makes the momentum buffers too)
         for _ in range(WARMUP_STEPS):
             x, target = batch()
             _train_step(eager, opt_eager, x, target)
             _train_step(graphed, opt_graph, x, target)
-    torch.cuda.current_stream().wait_stream(side)
+
+    warm_up_on_side_stream(warm_up)
 
     graph = torch.cuda.CUDAGraph()
     # With the gradients set to None, backward under capture allocates them in the graph's pool:

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import moe_comm
+from capture import warm_up_on_side_stream
 from gpu_backends import dist_backend_for, gpus_needed
 from multirank import run_ranks
 
@@ -66,11 +67,7 @@ def _rank_main(rank: int, world: int) -> dict:
         got = _overlapped(disp, comm, *sets[0])
         errors["eager"] = [torch.equal(g, w) for g, w in zip(got, want[0])]
         static = tuple(t.clone() for t in sets[0])
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up on a side stream, as torch's capture recipe asks
-            _overlapped(disp, comm, *static)
-        torch.cuda.current_stream().wait_stream(side)
+        warm_up_on_side_stream(lambda: _overlapped(disp, comm, *static))
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             graph_out = _overlapped(disp, comm, *static)

@@ -15,6 +15,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from capture import warm_up_on_side_stream  # noqa: E402
 from gpu_backends import GPU_BACKENDS, dist_backend_for, gpus_needed  # noqa: E402
 from hf_models import ARCHS, VOCAB, build_model, compare_with_unmodified  # noqa: E402
 from moe_comm.integrations.transformers import expert_parallel  # noqa: E402
@@ -63,13 +64,13 @@ def _captured_decode(device: torch.device, rank: int, options: dict) -> dict:
 
         eager = [decode(ids, torch.tensor([PROMPT + i], device=device)).clone() for i, ids in enumerate(tokens)]
         static_ids, static_position = tokens[0].clone(), torch.tensor([PROMPT], device=device)
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
+
+        def warm_up():
             for _ in range(2):
                 _restore(cache, saved)
                 decode(static_ids, static_position)
-        torch.cuda.current_stream(device).wait_stream(side)
+
+        warm_up_on_side_stream(warm_up, device)
         _restore(cache, saved)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
