@@ -356,5 +356,6 @@ def test_eager_rows_say_when_the_host_ran_slow():
             {"note": "", "extra": {"host_loop_us": 124.0}}, {"note": "", "extra": {"combine_error": None}}]
     noted = bench._with_host_loop_notes(rows)
     assert [row["note"] for row in noted] == [
-        "host loop 100 us", "eager: why; host slow: Python loop 131 us, 1.3x this run's fastest", "host loop 124 us", ""]
+        "host loop 100 us", "eager: why; host slow: Python loop 131 us, 1.3x this run's fastest", "host loop 124 us",
+        ""]
     assert bench._with_host_loop_notes([{"note": "", "extra": {}}]) == [{"note": "", "extra": {}}]
