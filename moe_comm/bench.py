@@ -488,12 +488,16 @@ def _measure_overlap(options: BenchOptions, work: _Workload, group, sm_budget: i
                extra={"combine_error": None, "late_replay_share": timer.late_share, **times})
 
 
+def _joined(note: str, clause: str) -> str:
+    """``note`` with ``clause`` after it in one note cell (``; `` between them where both are there)."""
+    return f"{note}; {clause}" if note else clause
+
+
 def _with_late_note(note: str, late_share: float) -> str:
     """``note``, and from ``LATE_NOTE_SHARE`` of a median's replays issued late, a clause that says so."""
     if late_share < LATE_NOTE_SHARE:
         return note
-    late = f"host late for {100 * late_share:.0f}% of a median's replays (their times include the wait)"
-    return f"{note}; {late}" if note else late
+    return _joined(note, f"host late for {100 * late_share:.0f}% of a median's replays (their times include the wait)")
 
 
 def _rows(system: str, measured: dict, num_tokens: int, routing: str, num_sms: Optional[int],
@@ -659,7 +663,7 @@ def _with_host_loop_notes(rows: list[dict]) -> list[dict]:
         ratio = loop / fastest
         host = (f"host slow: Python loop {loop:.0f} us, {ratio:.1f}x this run's fastest"
                 if ratio >= HOST_SLOW_NOTE_RATIO else f"host loop {loop:.0f} us")
-        row["note"] = f"{row['note']}; {host}" if row["note"] else host
+        row["note"] = _joined(row["note"], host)
     return rows
 
 
