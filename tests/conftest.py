@@ -1,5 +1,5 @@
 """Shared pytest setup: the harness importable from every test module, GPU skips, and the GPU
-tests' order and kept ranks."""
+tests' order, kept ranks and kernel warm-up."""
 
 from __future__ import annotations
 
@@ -36,6 +36,39 @@ def pytest_collection_modifyitems(config, items):
     order = sorted(range(len(items)),
                    key=lambda n: (-1, 0, n) if groups[n] is None else (backends[groups[n][0]], groups[n][1], n))
     items[:] = [items[n] for n in order]
+
+
+_KERNEL_WARM_UP = pytest.StashKey[object]()
+_KERNEL_WARM_UP_LINE = pytest.StashKey[str]()
+# Past this the warm-up is killed at the end of the session: its builds finish within a minute on
+# the GPU machines, so only a hung NVRTC would keep it longer.
+KERNEL_WARM_UP_TIMEOUT_S = 600
+
+
+def pytest_collection_finish(session):
+    """Start compiling the kernels of the selected GPU tests (``tests/kernel_warm_up.py``) in the background."""
+    if session.config.option.collectonly:
+        return
+    import kernel_warm_up
+
+    warm_up = kernel_warm_up.start(session.items)
+    if warm_up is not None:
+        session.config.stash[_KERNEL_WARM_UP] = warm_up
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Wait for the kernel warm-up, or stop it if the session was interrupted (the terminal summary
+    says how it went)."""
+    warm_up = session.config.stash.get(_KERNEL_WARM_UP, None)
+    if warm_up is not None:
+        timeout_s = 0 if exitstatus == pytest.ExitCode.INTERRUPTED else KERNEL_WARM_UP_TIMEOUT_S
+        session.config.stash[_KERNEL_WARM_UP_LINE] = warm_up.finish(timeout_s)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    line = config.stash.get(_KERNEL_WARM_UP_LINE, None)
+    if line is not None:
+        terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -6,16 +6,13 @@ CUDA. Ranks get ``cuda:(rank % GPUs present)``. ``vmm`` maps memory between proc
 it also runs several ranks per GPU, a single GPU included (the ranks' kernels are time-sliced, on
 a gloo default group): a one-GPU machine still checks the cross-rank protocol. torch's NVSHMEM and
 NCCL symmetric memory and NCCL collectives need one rank per GPU (NCCL refuses two ranks on one device).
-
-A rank that builds dispatchers of several configs compiles their kernels one config at a time, on
-a cold cache: ``compile_kernels`` compiles all of them at once first.
 """
 
 from __future__ import annotations
 
 from moe_comm.backends.registry import ENTRIES, Memory
 
-__all__ = ["GPU_BACKENDS", "compile_kernels", "gpus_needed", "dist_backend_for"]
+__all__ = ["GPU_BACKENDS", "gpus_needed", "dist_backend_for"]
 
 GPU_BACKENDS = {entry.id: (entry.backend, entry.config_overrides) for entry in ENTRIES if entry.needs_cuda}
 
@@ -34,13 +31,3 @@ def dist_backend_for(world: int, gpus_present: int) -> str:
     :func:`gpus_needed`): NCCL with a GPU per rank, else gloo (ranks that share a GPU)."""
     return "nccl" if gpus_present >= world else "gloo"
 
-
-def compile_kernels(configs) -> None:
-    """Compile (or find cached) the kernels of every config in ``configs`` for this rank's GPU, at
-    once (``moe_comm.kernels.compile_for_configs``). Call it before the rank's first Dispatcher: the
-    ranks' threads share the cache's file locks, so each build is compiled once."""
-    import torch
-
-    from moe_comm import driver, kernels
-
-    kernels.compile_for_configs(configs, driver.arch_of(torch.device("cuda", torch.cuda.current_device())))

@@ -143,11 +143,15 @@ def _decode_graphs(disp: moe_comm.Dispatcher, rank: int) -> dict:
     return errors
 
 
+def _vmm_configs() -> list:
+    """The config of each of CONFIGS, in its order, on ``vmm``."""
+    return [moe_comm.load_config(None, backend="vmm", **{**BASE, **overrides}) for overrides in CONFIGS.values()]
+
+
 def _rank_main(rank: int, world: int) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = False  # the float32 tolerances assume float32 GEMMs
     results = {}
-    for name, overrides in CONFIGS.items():
-        cfg = moe_comm.load_config(None, backend="vmm", **{**BASE, **overrides})
+    for name, cfg in zip(CONFIGS, _vmm_configs()):
         with moe_comm.Dispatcher(cfg) as disp:
             # 40 tokens in 2 sequences: 3 batch slices per layer; two layers stacked.
             results[(name, "reference")] = layer_errors(disp, rank, world, None, (2, 20), 2, shared_ffn_hidden=SHARED)
@@ -157,6 +161,7 @@ def _rank_main(rank: int, world: int) -> dict:
 
 
 @pytest.mark.parametrize("world", [2])
+@pytest.mark.kernels.with_args(_vmm_configs)
 def test_balancing_features_on_vmm(world, requires_gpus):
     gpus = requires_gpus(gpus_needed("vmm", world))
     dist_backend = dist_backend_for(world, gpus)

@@ -53,11 +53,15 @@ def _errors(want: list, got: list) -> float:
                for a, b in zip(want, got))
 
 
-def _compiled_against_eager(rank: int, dispatch_dtype) -> dict:
+def _configs() -> list:
+    """The config of each of DISPATCH_DTYPES, in its order."""
+    return [moe_comm.load_config(None, backend="vmm", num_experts=8, topk=2, hidden=HIDDEN, max_tokens_per_rank=TOKENS,
+                                 dtype="bfloat16", expert_alignment=16, dispatch_dtype=dispatch_dtype)
+            for dispatch_dtype in DISPATCH_DTYPES]
+
+
+def _compiled_against_eager(rank: int, cfg: moe_comm.Config) -> dict:
     """The largest relative errors of each compiled form of the model against its eager reference."""
-    cfg = moe_comm.load_config(None, backend="vmm", num_experts=8, topk=2, hidden=HIDDEN,
-                               max_tokens_per_rank=TOKENS, dtype="bfloat16", expert_alignment=16,
-                               dispatch_dtype=dispatch_dtype)
     result = {}
     with moe_comm.Dispatcher(cfg) as disp:
         model = _TwoMoeBlocks(disp)
@@ -89,11 +93,12 @@ def _compiled_against_eager(rank: int, dispatch_dtype) -> dict:
 
 
 def _rank_main(rank: int, world: int) -> dict:
-    return {str(dtype): _compiled_against_eager(rank, dtype) for dtype in DISPATCH_DTYPES}
+    return {str(dtype): _compiled_against_eager(rank, cfg) for dtype, cfg in zip(DISPATCH_DTYPES, _configs())}
 
 
 # The ops are the same at any world size and world 2 exchanges tokens, so one spawn at world 2
 # compiles both dispatch dtypes (the compiles dominate the test's time; a second spawn repeated them).
+@pytest.mark.kernels.with_args(_configs)
 def test_compiled_model_on_gpu_equals_eager(requires_gpus):
     world = 2
     gpus = requires_gpus(gpus_needed("vmm", world))

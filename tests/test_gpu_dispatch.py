@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 import moe_comm
 from moe_comm import protocol
-from gpu_backends import GPU_BACKENDS, compile_kernels, dist_backend_for, gpus_needed
+from gpu_backends import GPU_BACKENDS, dist_backend_for, gpus_needed
 from multirank import run_ranks
 
 pytestmark = pytest.mark.gpu
@@ -437,13 +437,21 @@ def _ahead_scenario(rank, world, gloo, backend: str, section: dict) -> None:
 PER_RANK_SCENARIOS_MAX_WORLD = 2
 
 
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def _device_configs(backend_id: str) -> list:
+    """The device config of each dtype in DTYPES on ``backend_id``: every scenario's config has the
+    kernel builds of one of them (the one-layout-block scenario's own header aside)."""
+    backend, section = GPU_BACKENDS[backend_id]
+    return [_config(backend, dtype_name, **section) for dtype_name in DTYPES]
+
+
 def _rank_main(rank: int, world: int, backend_id: str) -> None:
     backend, section = GPU_BACKENDS[backend_id]
     gloo = dist.new_group(backend="gloo")
-    # Every scenario's config has one of these two builds (the one-layout-block scenario's own header aside).
-    configs = {dtype_name: _config(backend, dtype_name, **section) for dtype_name in ("bfloat16", "float32")}
-    compile_kernels(list(configs.values()))
-    for dtype_name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
+    configs = dict(zip(DTYPES, _device_configs(backend_id)))
+    for dtype_name, dtype in DTYPES.items():
         generator = torch.Generator().manual_seed(1000 * world + rank)
         with moe_comm.Dispatcher(configs[dtype_name]) as dev, \
                 moe_comm.Dispatcher(_config("reference", dtype_name), group=gloo) as ref:
@@ -467,6 +475,7 @@ def _rank_main(rank: int, world: int, backend_id: str) -> None:
 
 # Every backend bitwise equal to the reference, so all of them give identical outputs for the same
 # inputs. One spawn per (backend, world): torch's symmetric-memory provider is chosen once per process.
+@pytest.mark.kernels.with_args(_device_configs)
 @pytest.mark.parametrize("world", [1, 2, 4, 8])
 @pytest.mark.parametrize("backend_id", list(GPU_BACKENDS))
 def test_backend_matches_reference(backend_id, world, requires_gpus):

@@ -140,18 +140,22 @@ def _fp8_dispatch_checks(config: moe_comm.Config, shape: dict, gloo, gen: torch.
     return results
 
 
+def _fp8_dispatch_configs(backend_id: str, shapes: list) -> list:
+    """The device config of each of ``shapes`` (overrides of FP8_CONFIG) on ``backend_id``."""
+    from gpu_backends import GPU_BACKENDS
+
+    backend, section = GPU_BACKENDS[backend_id]
+    return [moe_comm.load_config(None, backend=backend, **section, **{**FP8_CONFIG, **shape}) for shape in shapes]
+
+
 def _rank_fp8_dispatch(rank: int, world: int, backend_id: str, shapes: list) -> dict:
     import torch.distributed as dist
 
-    from gpu_backends import GPU_BACKENDS, compile_kernels
-
-    backend, section = GPU_BACKENDS[backend_id]
     gloo = dist.new_group(backend="gloo")
-    shaped = [(str(overrides), {**FP8_CONFIG, **overrides}) for overrides in shapes]
-    configs = [moe_comm.load_config(None, backend=backend, **section, **shape) for _, shape in shaped]
-    compile_kernels(configs)
+    configs = _fp8_dispatch_configs(backend_id, shapes)
     gen = torch.Generator().manual_seed(rank)
-    return {name: _fp8_dispatch_checks(config, shape, gloo, gen) for (name, shape), config in zip(shaped, configs)}
+    return {str(shape): _fp8_dispatch_checks(config, {**FP8_CONFIG, **shape}, gloo, gen)
+            for shape, config in zip(shapes, configs)}
 
 
 # Device kernels quantize config-dtype rows themselves: their senders unit by unit (world 2), and
@@ -168,6 +172,7 @@ def _rank_fp8_dispatch(rank: int, world: int, backend_id: str, shapes: list) -> 
     ("nvshmem-p2p", 2, [{}]), ("nccl-symmetric", 2, [{}]), ("nccl-collective", 2, [{}]),
     ("nvshmem-put", 2, [{}, {"hidden": 1152, "num_sms": 2}, {"sm_budget": 4}]),
 ])
+@pytest.mark.kernels.with_args(_fp8_dispatch_configs)
 def test_fp8_dispatch_equals_reference_bitwise(backend_id, world, shapes, requires_gpus):
     from gpu_backends import dist_backend_for, gpus_needed
     from multirank import run_ranks
@@ -180,16 +185,18 @@ def test_fp8_dispatch_equals_reference_bitwise(backend_id, world, shapes, requir
             assert same == [True] * 8, f"rank {rank}, shape {shape}: an eager pair, a refusal, 3 replays of 2: {same}"
 
 
+def _training_configs(backend_id: str) -> list:
+    """FP8_CONFIG on ``backend_id``, and the same dispatching rows of its dtype."""
+    return _fp8_dispatch_configs(backend_id, [{}, {"dispatch_dtype": None}])
+
+
 def _rank_fp8_training(rank: int, world: int, backend_id: str) -> dict:
-    from gpu_backends import GPU_BACKENDS
     from layer_checks import paired_layer_errors
 
-    backend, section = GPU_BACKENDS[backend_id]
-    plain_config = {**FP8_CONFIG, "dispatch_dtype": None}
+    fp8_config, plain_config = _training_configs(backend_id)
     gen = torch.Generator().manual_seed(30 + rank)
     results = {}
-    with moe_comm.Dispatcher(moe_comm.load_config(None, backend=backend, **section, **FP8_CONFIG)) as disp, \
-            moe_comm.Dispatcher(moe_comm.load_config(None, backend=backend, **section, **plain_config)) as plain:
+    with moe_comm.Dispatcher(fp8_config) as disp, moe_comm.Dispatcher(plain_config) as plain:
         device = disp.device
         x, idx, weights = (t.to(device) for t in _fp8_inputs(gen))
         upstream = torch.randn(disp.capacity_rows, HIDDEN, generator=gen).to(device, torch.bfloat16)
@@ -257,6 +264,7 @@ def _rank_fp8_training(rank: int, world: int, backend_id: str) -> dict:
 
 # World 2 (time-sliced on one GPU): the gradients cross ranks; the bitwise test above covers world 1.
 @pytest.mark.parametrize("backend_id, world", [("vmm", 2)])
+@pytest.mark.kernels.with_args(_training_configs)
 def test_fp8_layer_trains_on_gpu(backend_id, world, requires_gpus):
     from gpu_backends import dist_backend_for, gpus_needed
     from multirank import run_ranks

@@ -28,7 +28,7 @@ from torch import nn
 import moe_comm
 from moe_comm.layer import MoELayer
 from capture import warm_up_on_side_stream
-from gpu_backends import GPU_BACKENDS, compile_kernels, dist_backend_for, gpus_needed
+from gpu_backends import GPU_BACKENDS, dist_backend_for, gpus_needed
 from layer_checks import BASE, FFN, TOLERANCE, assert_within, decode_graph_errors, layer_errors, rel_err
 from multirank import run_ranks
 
@@ -150,15 +150,18 @@ def _decode_graphs(disp: moe_comm.Dispatcher, rank: int) -> dict:
     return errors
 
 
-def _rank_main(rank: int, world: int, backend_id: str) -> dict:
+def _layer_configs(backend_id: str) -> list:
+    """The config of each of LAYER_CONFIGS, in its order, on ``backend_id``."""
     backend, section = GPU_BACKENDS[backend_id]
+    return [moe_comm.load_config(None, backend=backend, **BASE, **overrides, **section)
+            for overrides, _ in LAYER_CONFIGS.values()]
+
+
+def _rank_main(rank: int, world: int, backend_id: str) -> dict:
+    backend, _ = GPU_BACKENDS[backend_id]
     torch.backends.cuda.matmul.allow_tf32 = False  # the float32 tolerances assume float32 GEMMs
-    configs = {name: moe_comm.load_config(None, backend=backend, **BASE, **overrides, **section)
-               for name, (overrides, _) in LAYER_CONFIGS.items()}
-    compile_kernels(configs.values())
     results = {}
-    for name, (overrides, scenarios) in LAYER_CONFIGS.items():
-        cfg = configs[name]
+    for (name, (overrides, scenarios)), cfg in zip(LAYER_CONFIGS.items(), _layer_configs(backend_id)):
         with moe_comm.Dispatcher(cfg) as disp:
             assert disp.backend_name == backend, f"{name}: dispatcher runs {disp.backend_name}, not {backend}"
             impl = MoELayer(cfg, FFN, dispatcher=disp).expert_impl
@@ -177,6 +180,7 @@ def _rank_main(rank: int, world: int, backend_id: str) -> dict:
 
 # Every GPU backend: the layer must give the same results whichever transport moves the rows.
 @pytest.mark.parametrize("backend_id", list(GPU_BACKENDS))
+@pytest.mark.kernels.with_args(_layer_configs)
 def test_layer_on_gpu_backend(backend_id, requires_gpus):
     gpus = requires_gpus(gpus_needed(backend_id, WORLD))
     dist_backend = dist_backend_for(WORLD, gpus)

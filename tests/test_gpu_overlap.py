@@ -41,9 +41,14 @@ def _overlapped(disp, comm: torch.cuda.Stream, x, idx, weights, a, b):
     return z, product
 
 
+def _configs() -> list:
+    """The one config of the test."""
+    return [moe_comm.load_config(None, backend="vmm", num_experts=EXPERTS, topk=TOPK, hidden=HIDDEN,
+                                 max_tokens_per_rank=TOKENS, dtype="bfloat16", sm_budget=BUDGET)]
+
+
 def _rank_main(rank: int, world: int) -> dict:
-    cfg = moe_comm.load_config(None, backend="vmm", num_experts=EXPERTS, topk=TOPK, hidden=HIDDEN,
-                               max_tokens_per_rank=TOKENS, dtype="bfloat16", sm_budget=BUDGET)
+    (cfg,) = _configs()
     gen = torch.Generator().manual_seed(rank)
     with moe_comm.Dispatcher(cfg) as disp:
         device = disp.device
@@ -82,6 +87,7 @@ def _rank_main(rank: int, world: int) -> dict:
 
 
 @pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.kernels.with_args(_configs)
 def test_overlap_recipe_eager_and_captured(world, requires_gpus):
     gpus = requires_gpus(gpus_needed("vmm", world))
     per_rank = run_ranks(_rank_main, world, dist_backend=dist_backend_for(world, gpus), gpu=True, timeout_s=300)

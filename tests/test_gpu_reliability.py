@@ -41,6 +41,13 @@ def _config(name: str, section: dict, **overrides):
     return moe_comm.load_config(None, **values)
 
 
+def _device_configs(backend_id: str) -> list:
+    """The config whose kernel builds every device dispatcher here loads (the others differ from it
+    in what the builds do not depend on), on ``backend_id``."""
+    name, section = GPU_BACKENDS[backend_id]
+    return [_config(name, section)]
+
+
 def _spawn(backend_id: str, fn, timeout_s: float, requires_gpus) -> list:
     """Run ``fn`` on the 2 kept ranks of ``backend_id``; ``requires_gpus`` is the test's fixture
     (skips without the GPUs)."""
@@ -197,6 +204,7 @@ def _failures_and_lifecycle(rank: int, world: int, name: str, section: dict) -> 
 
 
 @pytest.mark.parametrize("backend_id", list(GPU_BACKENDS))
+@pytest.mark.kernels.with_args(_device_configs)
 def test_failures_are_bounded_and_resources_return(backend_id, requires_gpus):
     # run_ranks fails if either rank hangs. The timed-out step aborts nccl-collective's communicator
     # (the group these ranks share with the next tests): their pool closes here, which also checks
@@ -260,5 +268,6 @@ def _soak(rank: int, world: int, name: str, section: dict) -> int:
 
 @pytest.mark.soak
 @pytest.mark.parametrize("backend_id", list(GPU_BACKENDS))
+@pytest.mark.kernels.with_args(_device_configs)
 def test_soak_ten_thousand_replays_match_reference(backend_id, requires_gpus):
     assert _spawn(backend_id, _soak, timeout_s=300, requires_gpus=requires_gpus) == [SOAK_REPLAYS // SOAK_CHECK_EVERY] * 2
