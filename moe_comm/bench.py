@@ -348,15 +348,17 @@ def _config(options: BenchOptions, work: _Workload, sm_budget: Optional[int], di
     )
 
 
-def _measure_moe_comm(options: BenchOptions, work: _Workload, group, sm_budget: Optional[int], graphs: bool,
-                      dispatch_dtype: Optional[str] = None, num_sms: Optional[int] = None) -> dict:
-    """Times (per mode), the combine error and the bytes of one workload on moe_comm.
+def _measure_moe_comm(options: BenchOptions, work: _Workload, group, sm_budget: Optional[int],
+                      dispatch_dtype: Optional[str] = None, num_sms: Optional[int] = None, eager: bool = True) -> dict:
+    """Times (per mode: eager, and graph-replayed on CUDA), the combine error and the bytes of one
+    workload on moe_comm.
 
     ``dispatch_dtype``: the config's (FP8 dispatch quantizes the bf16 inputs inside the timed
     dispatch; the identity experts dequantize, outside the timed steps: dispatch+combine combines
     the rows of the first call, dequantized once, as an expert GEMM that takes FP8 would hand
     combine its own output).
     ``num_sms``: the senders (None: ``options.num_sms``).
+    ``eager``: False leaves the eager calls untimed (the budget sweep's rows are graph-replayed only).
     """
     cfg = _config(options, work, sm_budget, dispatch_dtype, num_sms)
     result = {}
@@ -383,9 +385,10 @@ def _measure_moe_comm(options: BenchOptions, work: _Workload, group, sm_budget: 
         def eager_combine() -> None:
             disp.combine(expert_rows, latest["out"].handle)
 
-        result["eager"], result["host_loop_us"] = _eager_times(
-            timer, eager_dispatch, eager_combine, lambda: _moe_comm_step(disp, work.next_set(), fixed_rows))
-        if graphs and disp.device.type == "cuda":
+        if eager:
+            result["eager"], result["host_loop_us"] = _eager_times(
+                timer, eager_dispatch, eager_combine, lambda: _moe_comm_step(disp, work.next_set(), fixed_rows))
+        if disp.device.type == "cuda":
             graph_d, graph_out = _graph(disp.device, lambda: disp.dispatch(*work.static))
             graph_c, _ = _graph(disp.device, lambda: disp.combine(expert_rows, graph_out.handle))
             graph_all, _ = _graph(disp.device, lambda: _moe_comm_step(disp, work.static, fixed_rows))
@@ -577,10 +580,10 @@ def _budget_sweep_rows(options: BenchOptions, group, rank: int, device: torch.de
         for budget in options.budget_sweep:
             for senders in options.sender_sweep or (options.num_sms,):
                 for system, dispatch_dtype in systems:
-                    moe = _measure_moe_comm(options, work, group, budget, graphs=True, dispatch_dtype=dispatch_dtype,
-                                            num_sms=senders)
-                    swept = _rows(system, {k: v for k, v in moe.items() if k != "eager"}, num_tokens, "uniform",
-                                  senders, moe["cross_bytes"], moe["received_bytes"], budget)
+                    moe = _measure_moe_comm(options, work, group, budget, dispatch_dtype=dispatch_dtype,
+                                            num_sms=senders, eager=False)
+                    swept = _rows(system, moe, num_tokens, "uniform", senders, moe["cross_bytes"],
+                                  moe["received_bytes"], budget)
                     for row in swept:
                         row.mode = "graph (sm_budget sweep)"
                     rows += swept
@@ -596,15 +599,14 @@ def bench_rank(rank: int, world_size: int, options: BenchOptions) -> list[dict]:
     for routing in options.routings:
         for num_tokens in options.tokens:
             work = _Workload(options, num_tokens, routing, rank, device)
-            moe = _measure_moe_comm(options, work, group, options.sm_budget, graphs=True)
+            moe = _measure_moe_comm(options, work, group, options.sm_budget)
             rows += _rows("moe_comm", moe, num_tokens, routing, options.num_sms,
                           moe["cross_bytes"], moe["received_bytes"], options.sm_budget)
             if options.fp8:
-                moe8 = _measure_moe_comm(options, work, group, options.sm_budget, graphs=True,
-                                         dispatch_dtype="float8_e4m3fn")
+                moe8 = _measure_moe_comm(options, work, group, options.sm_budget, dispatch_dtype="float8_e4m3fn")
                 rows += _rows("moe_comm fp8 dispatch", moe8, num_tokens, routing, options.num_sms,
                               moe8["cross_bytes"], moe8["received_bytes"], options.sm_budget)
-                pairs = _measure_moe_comm(options, work.pre_quantized(), group, options.sm_budget, graphs=True,
+                pairs = _measure_moe_comm(options, work.pre_quantized(), group, options.sm_budget,
                                           dispatch_dtype="float8_e4m3fn")
                 rows += _rows("moe_comm fp8 dispatch, pre-quantized", pairs, num_tokens, routing, options.num_sms,
                               pairs["cross_bytes"], pairs["received_bytes"], options.sm_budget)

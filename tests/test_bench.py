@@ -194,7 +194,7 @@ def _dequantize_calls(rank: int, world: int, options: BenchOptions, dispatch_dty
 
     Dispatcher.dequantize = counted
     work = bench._Workload(options, 4, "uniform", rank, torch.device("cpu"))
-    bench._measure_moe_comm(options, work, None, None, graphs=False, dispatch_dtype=dispatch_dtype)
+    bench._measure_moe_comm(options, work, None, None, dispatch_dtype=dispatch_dtype)
     return calls["n"]
 
 
@@ -247,17 +247,19 @@ def test_bad_workload_is_one_line_before_any_rank_starts(argv, fragment, capsys,
 def test_budget_sweep_times_every_sender_count_at_every_budget(monkeypatch):
     measured = []
 
-    def measure(options, work, group, sm_budget, graphs, dispatch_dtype=None, num_sms=None):
-        measured.append((work, sm_budget, num_sms, graphs, dispatch_dtype))
+    def measure(options, work, group, sm_budget, dispatch_dtype=None, num_sms=None, eager=True):
+        measured.append((work, sm_budget, num_sms, eager, dispatch_dtype))
         times = {"dispatch_us": 10.0 * num_sms, "combine_us": 5.0, "total_us": 10.0 * num_sms + 5.0}
-        return {"error": 0.0, "cross_bytes": 0, "received_bytes": 0, "eager": times, "graph": times}
+        modes = {"graph": times, **({"eager": times} if eager else {})}
+        return {"error": 0.0, "cross_bytes": 0, "received_bytes": 0, **modes}
 
     monkeypatch.setattr(bench, "_Workload", lambda options, num_tokens, routing, rank, device: num_tokens)
     monkeypatch.setattr(bench, "_measure_moe_comm", measure)
     args = bench._parser().parse_args(["--sweep-budget", "24", "16", "--sweep-senders", "8", "24"])
     options = bench._options(args, gpus=1)
     rows = bench._budget_sweep_rows(options, None, 0, torch.device("cpu"))
-    assert measured == [(tokens, budget, senders, True, None) for tokens in (128, 4096) for budget in (24, 16)
+    # Graph-replayed only: the eager calls are not timed at all.
+    assert measured == [(tokens, budget, senders, False, None) for tokens in (128, 4096) for budget in (24, 16)
                         for senders in (8, 24)]
     assert [(r.tokens, r.sm_budget, r.num_sms, r.mode, r.dispatch_us) for r in rows] == [
         (tokens, budget, senders, "graph (sm_budget sweep)", 10.0 * senders)
