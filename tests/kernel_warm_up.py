@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -58,15 +59,24 @@ def selected_configs(items: Iterable, gpus: int) -> list[moe_comm.Config]:
 
 
 class KernelWarmUp:
-    """Running ``moe-comm compile`` processes of ``count`` configs in all: ``(process, log)`` pairs."""
+    """Running ``moe-comm compile`` processes of ``count`` configs in all: ``(process, log)`` pairs,
+    their config files and logs in ``directory``."""
 
-    def __init__(self, compiles: list[tuple[subprocess.Popen, Path]], count: int) -> None:
+    def __init__(self, compiles: list[tuple[subprocess.Popen, Path]], count: int, directory: Path) -> None:
         self.compiles = compiles
         self.count = count
+        self.directory = directory
         self.started = time.time()
 
     def finish(self, timeout_s: float) -> str:
-        """Wait up to ``timeout_s`` for the compiles (killed past it); one line that says how it went."""
+        """Wait up to ``timeout_s`` for the compiles (killed past it) and remove ``directory``; one
+        line that says how it went."""
+        try:
+            return self._wait(timeout_s)
+        finally:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+    def _wait(self, timeout_s: float) -> str:
         deadline = time.monotonic() + timeout_s
         what = f"{len(self.compiles)} `moe-comm compile` processes of {self.count} configs"
         try:
@@ -123,4 +133,4 @@ def start(items: Iterable) -> Optional[KernelWarmUp]:
         with open(log, "wb") as out:
             compiles.append((subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                               env=env), log))
-    return KernelWarmUp(compiles, len(configs))
+    return KernelWarmUp(compiles, len(configs), directory)

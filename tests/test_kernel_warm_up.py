@@ -52,9 +52,9 @@ def test_configs_follow_the_tests_in_order_once_each_and_only_where_they_run():
 
 def test_every_marked_test_in_this_session_gives_configs_that_load_back(request, tmp_path):
     marked = [item for item in request.session.items if item.get_closest_marker("kernels") is not None]
-    configs = kernel_warm_up.selected_configs(marked, gpus=8)
     if not marked:
         pytest.skip("no test of this session carries the kernels marker")
+    configs = kernel_warm_up.selected_configs(marked, gpus=8)
     assert configs
     for number, config in enumerate(configs):
         path = tmp_path / f"{number}.yaml"
@@ -79,6 +79,7 @@ def test_the_warm_up_compiles_every_build_into_the_cache(cache, nvrtc, monkeypat
     monkeypatch.setattr(os, "cpu_count", lambda: 4)  # two processes, a config each
     warm_up = _start_on_cpu(monkeypatch, [_shape("vmm", 32, dtype="float32"), _shape("vmm", 32, dtype="bfloat16")])
     line = warm_up.finish(timeout_s=300)
+    assert not warm_up.directory.exists()  # its config files and logs
     assert line.startswith("kernel warm-up: the kernels of 2 configs compiled in "), line
     assert line.endswith(" s (2 `moe-comm compile` processes of 2 configs)"), line
     # Dispatch and combine of rows of 32 channels of each dtype, top-2, for sm_90.
@@ -102,10 +103,12 @@ def test_no_warm_up_without_cuda_or_without_marked_tests(monkeypatch):
 
 
 def test_a_warm_up_past_its_time_is_killed(tmp_path):
-    log = tmp_path / "log"
+    directory = tmp_path / "warm-up"
+    directory.mkdir()
+    log = directory / "compile0.log"
     log.write_text("")
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     start = time.monotonic()
-    line = kernel_warm_up.KernelWarmUp([(sleeper, log)], 3).finish(timeout_s=1)
+    line = kernel_warm_up.KernelWarmUp([(sleeper, log)], 3, directory).finish(timeout_s=1)
     assert line == "kernel warm-up: 1 `moe-comm compile` processes of 3 configs killed after 1 s"
-    assert sleeper.returncode is not None and time.monotonic() - start < 30
+    assert sleeper.returncode is not None and time.monotonic() - start < 30 and not directory.exists()
