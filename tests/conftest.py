@@ -20,13 +20,15 @@ def pytest_collection_modifyitems(config, items):
     """Run the GPU tests parametrized by ``backend_id`` last, grouped by backend (in order of first
     appearance) and world size, each group in collection order: they run on kept ranks (``reuse``
     in ``multirank``), one pool at a time. The order is all this decides: a test whose ranks differ
-    from its group's (a world size other than the ``world`` parameter's, or than 2 for the tests
-    without one, as all run today) only starts a pool of its own."""
+    from its group's (a world size other than the ``world`` parameter's, or than ``DEFAULT_WORLD``
+    for the tests without one, as all run today) only starts a pool of its own."""
+    from gpu_backends import DEFAULT_WORLD
+
     def group(item) -> Optional[tuple[str, int]]:
         callspec = getattr(item, "callspec", None)
         if item.get_closest_marker("gpu") is None or callspec is None or "backend_id" not in callspec.params:
             return None
-        return callspec.params["backend_id"], callspec.params.get("world", 2)
+        return callspec.params["backend_id"], callspec.params.get("world", DEFAULT_WORLD)
 
     groups = [group(item) for item in items]
     backends: dict[str, int] = {}

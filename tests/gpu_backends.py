@@ -12,9 +12,13 @@ from __future__ import annotations
 
 from moe_comm.backends.registry import ENTRIES, Memory
 
-__all__ = ["GPU_BACKENDS", "gpus_needed", "dist_backend_for"]
+__all__ = ["GPU_BACKENDS", "DEFAULT_WORLD", "gpus_needed", "dist_backend_for"]
 
 GPU_BACKENDS = {entry.id: (entry.backend, entry.config_overrides) for entry in ENTRIES if entry.needs_cuda}
+
+# The world size of a GPU test parametrized by backend but not by ``world`` (the layer and
+# reliability tests): what the conftest orders it by and the kernel warm-up counts its GPUs by.
+DEFAULT_WORLD = 2
 
 # Backends whose ranks may share a GPU: only memory this library maps itself is free of NCCL's
 # one-rank-per-device rule.

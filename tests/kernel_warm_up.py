@@ -31,12 +31,9 @@ from typing import Iterable, Optional
 import yaml
 
 import moe_comm
-from gpu_backends import gpus_needed
+from gpu_backends import DEFAULT_WORLD, gpus_needed
 
 __all__ = ["KernelWarmUp", "selected_configs", "start"]
-
-# The world of a test without a ``world`` parameter, as in the conftest's ordering.
-DEFAULT_WORLD = 2
 
 
 def selected_configs(items: Iterable, gpus: int) -> list[moe_comm.Config]:
