@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import moe_comm
+from capture import warm_up_on_side_stream
 from tensor_views import off_boundary
 
 pytestmark = pytest.mark.gpu
@@ -241,12 +242,7 @@ def _rank_fp8_training(rank: int, world: int, backend_id: str) -> dict:
             loss.backward()
             return loss
 
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream(device).wait_stream(stream)
+        warm_up_on_side_stream(lambda: [step() for _ in range(2)], device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             loss = step()
