@@ -46,7 +46,8 @@
 //     dropped, pos -2, counted with the smallest (s << 32 | t)), aligns the segments, and writes
 //     recv_pos [W, M, K], recv_weight [W, M, K], expert_offsets [L], tokens_per_expert [L]: exactly
 //     moe_comm.routing.plan_destination.
-//   padding: every segment's padding rows [start_j + n_j, end_j) are zeroed (rows at or past
+//   padding (zero_pad: Config.zero_padding; without it no block writes them: they keep what
+//     they held): every segment's padding rows [start_j + n_j, end_j) are zeroed (rows at or past
 //     expert_offsets[-1] are not touched), evict-first in L2 (nothing reads them before the
 //     experts; the rows combine reads next stay). Where the group has blocks that do not lay out,
 //     they zero it before the group's barrier, once the first layout block has stamped the
@@ -370,17 +371,17 @@ __device__ __forceinline__ void zero_next_call_tickets(u64* state, u64 epoch) {
 #define DISPATCH_PARAMS                                                                                            \
     const i64* __restrict__ peers, int rank, int world, int max_tokens_per_rank, u64* state, i64* status,          \
     i64 timeout_ns, i64 off_meta, i64 off_recv_x, i64 copy_stride, int num_experts, int chunk_tokens,              \
-    int num_local_experts, int alignment, int capacity, i32* block_counts, u64* barrier_flags, int capacity_rows,  \
-    int num_senders, int layout_blocks, const void* __restrict__ x, int quantize,                                  \
+    int num_local_experts, int alignment, int zero_pad, int capacity, i32* block_counts, u64* barrier_flags,       \
+    int capacity_rows, int num_senders, int layout_blocks, const void* __restrict__ x, int quantize,               \
     const float* __restrict__ x_scales, const void* __restrict__ topk_idx, int idx_is_64,                          \
     const float* __restrict__ topk_weights, int num_tokens, u8* __restrict__ send_mask,                            \
     i32* __restrict__ dest_rank, i32* recv_pos, float* recv_weight, i32* expert_offsets, i32* tokens_per_expert,   \
     void* __restrict__ out_x
 #define DISPATCH_ARGS                                                                                              \
     peers, rank, world, max_tokens_per_rank, state, status, timeout_ns, off_meta, off_recv_x, copy_stride,         \
-    num_experts, chunk_tokens, num_local_experts, alignment, capacity, block_counts, barrier_flags, capacity_rows, \
-    num_senders, layout_blocks, x, quantize, x_scales, topk_idx, idx_is_64, topk_weights, num_tokens, send_mask,   \
-    dest_rank, recv_pos, recv_weight, expert_offsets, tokens_per_expert, out_x
+    num_experts, chunk_tokens, num_local_experts, alignment, zero_pad, capacity, block_counts, barrier_flags,      \
+    capacity_rows, num_senders, layout_blocks, x, quantize, x_scales, topk_idx, idx_is_64, topk_weights,           \
+    num_tokens, send_mask, dest_rank, recv_pos, recv_weight, expert_offsets, tokens_per_expert, out_x
 
 // One block per SM (gridDim.x <= SMs: blocks wait for each other). Blocks [0, num_senders) send;
 // the blocks after them (the early group; every block when all send), the last layout_blocks of
@@ -445,7 +446,7 @@ __device__ __forceinline__ void dispatch_call(DISPATCH_PARAMS) {
     const EntrySource<kOneRank> entries{s_peer[rank] + off_meta, epoch, status, timeout_ns, topk_idx, idx_is_64,
                                         topk_weights, num_tokens};
     const LayoutShared shared = layout_shared(smem, num_local_experts);
-    const ExpandRoles roles = expand_roles(early, layout_first, grid, world, num_tokens, replicated);
+    const ExpandRoles roles = expand_roles(early, layout_first, grid, world, num_tokens, replicated, zero_pad != 0);
     if (block >= early) {
 #if FP8_ROWS
         // Own rows packed while the metadata travels and the layout runs, on the blocks that do not
@@ -520,10 +521,10 @@ __device__ __forceinline__ void dispatch_call(DISPATCH_PARAMS) {
     }
     // The padding after the own rows, unless it went first. One rank: the own-row blocks of a split
     // join it by ticket once their rows are out.
-    const bool pads_after = !roles.pads_first && ((block >= roles.pad_first && block < roles.pad_last) ||
-                                            (replicated && own_blocks_join_padding(shared, num_local_experts,
-                                                                                   alignment, capacity,
-                                                                                   grid - roles.pad_first)));
+    const bool pads_after = zero_pad && !roles.pads_first &&
+                            ((block >= roles.pad_first && block < roles.pad_last) ||
+                             (replicated && own_blocks_join_padding(shared, num_local_experts, alignment, capacity,
+                                                                    grid - roles.pad_first)));
     if (pads_after) {
         // In the batched path the segments come only after the own rows: their loads would delay the
         // first row copies.

@@ -347,7 +347,9 @@ __device__ __forceinline__ void zero_padding(const i32* s_end, const i32* s_pad,
 // [own_first, own_end), as many blocks as that sizing gives, the padding on [pad_first, grid)
 // beside them. Several ranks: past the barrier every block, the senders too (their few rows went
 // out before it), copies its share of the units of the own rows and of the arrived ones
-// (expand_units). A group whose every block lays out does not split.
+// (expand_units). A group whose every block lays out does not split. Without zero padding
+// (Config.zero_padding off) no block zeroes: [pad_first, pad_last) is empty, nothing goes before
+// the barrier, and one rank's own rows take every block of the group.
 struct ExpandRoles {
     bool split;
     bool pads_first;  // the padding goes before the group's barrier, on [pad_first, pad_last) first
@@ -358,9 +360,9 @@ struct ExpandRoles {
 };
 
 // num_tokens: this rank's T; layout_first: the first block that lays out; replicated: one rank at
-// decode sizes, every block laying out for itself (no barrier).
+// decode sizes, every block laying out for itself (no barrier); zero_pad: Config.zero_padding.
 __device__ __forceinline__ ExpandRoles expand_roles(int early, int layout_first, int grid, int world, int num_tokens,
-                                                    bool replicated) {
+                                                    bool replicated, bool zero_pad) {
     const i64 warps = blockDim.x >> 5;
     const int group = grid - early;
     const i64 unit_copies = static_cast<i64>(num_tokens) * RowParts<EXPAND_VPL>::kPerRow * ((TOPK + world - 1) / world);
@@ -370,11 +372,12 @@ __device__ __forceinline__ ExpandRoles expand_roles(int early, int layout_first,
     // Past decode sizes only where at least half of the group is free in the layout's window: on
     // fewer blocks the padding would push the own rows' static batches to the end and lose its
     // tickets' balancing of the tail (one H200, 24 SMs, 8 of them free: T=4096 dispatch 388 -> 406-410 us).
-    const bool pads_first = !replicated && layout_first > early && (split || 2 * (layout_first - early) >= group);
-    ExpandRoles roles{split, pads_first, early, grid, early, pads_first ? layout_first : grid};
+    const bool pads_first =
+        zero_pad && !replicated && layout_first > early && (split || 2 * (layout_first - early) >= group);
+    ExpandRoles roles{split, pads_first, early, grid, zero_pad ? early : grid, pads_first ? layout_first : grid};
     if (!roles.split) return roles;
     if (world == 1) {
-        roles.own_end = roles.pad_first = early + own;
+        roles.own_end = roles.pad_first = zero_pad ? early + own : grid;
         return roles;
     }
     roles.own_first = 0;

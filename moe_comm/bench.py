@@ -92,7 +92,8 @@ class BenchOptions:
     backend: moe_comm's backend. num_sms: its senders. sm_budget: the SMs of every kernel (None:
     the whole device). slab_copies: the config's (2: parity copies, no acks; 1: acks).
     expert_alignment: the config's (rows each expert segment of ``out.x`` is padded to; at decode sizes
-    the zero padding is most of dispatch's bytes).
+    the zero padding is most of dispatch's bytes). zero_padding: the config's (False: the padding
+    rows are left unwritten, as an inference deployment whose GEMMs need aligned segments runs).
     repeats: timed measurements per median.
     warmup: untimed runs first. baselines: also run the all-to-all baselines (CUDA only).
     budget_sweep / sweep_tokens: ``sm_budget`` values timed (graph-replayed, uniform routing) at these T.
@@ -118,6 +119,7 @@ class BenchOptions:
     sm_budget: Optional[int] = None
     slab_copies: int = 2
     expert_alignment: int = Config.expert_alignment
+    zero_padding: bool = Config.zero_padding
     repeats: int = 50
     warmup: int = 5
     baselines: bool = True
@@ -344,7 +346,7 @@ def _config(options: BenchOptions, work: _Workload, sm_budget: Optional[int], di
         max_tokens_per_rank=max(work.source_x.shape[0], 1), dtype=options.dtype,
         num_sms=options.num_sms if num_sms is None else num_sms,
         sm_budget=sm_budget, dispatch_dtype=dispatch_dtype, slab_copies=options.slab_copies,
-        expert_alignment=options.expert_alignment,
+        expert_alignment=options.expert_alignment, zero_padding=options.zero_padding,
     )
 
 
@@ -785,6 +787,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="rows each expert segment of the dispatch output is padded to (default "
                              f"{defaults.expert_alignment}); at decode sizes the zero padding is most of "
                              "dispatch's bytes")
+    parser.add_argument("--no-zero-padding", action="store_true",
+                        help="leave the padding rows of the dispatch output unwritten (config zero_padding: "
+                             "false, for inference with aligned segments)")
     parser.add_argument("--sweep-budget", type=int, nargs="*", default=[],
                         help=f"sm_budget values to time at T = {' '.join(map(str, defaults.sweep_tokens))}")
     parser.add_argument("--sweep-senders", type=int, nargs="+", default=[], metavar="NUM_SMS",
@@ -813,7 +818,7 @@ def _options(args: argparse.Namespace, gpus: int) -> BenchOptions:
         num_experts=chosen["num_experts"], topk=chosen["topk"], backend=args.backend if gpus else "reference",
         num_sms=args.num_sms, repeats=chosen["repeats"], baselines=not args.no_baselines,
         sm_budget=args.sm_budget, slab_copies=args.slab_copies, expert_alignment=args.expert_alignment,
-        budget_sweep=tuple(args.sweep_budget),
+        zero_padding=not args.no_zero_padding, budget_sweep=tuple(args.sweep_budget),
         sender_sweep=tuple(args.sweep_senders),
         overlap_budgets=_OVERLAP_BUDGETS if args.overlap == [] else tuple(args.overlap or ()),
         dtype="bfloat16" if gpus else "float32", fp8=args.fp8,
@@ -842,7 +847,7 @@ def _check_options(options: BenchOptions, world_size: int) -> None:
         None, backend=options.backend, num_experts=options.num_experts, topk=options.topk, hidden=options.hidden,
         max_tokens_per_rank=max(options.tokens), dtype=options.dtype, num_sms=options.num_sms,
         dispatch_dtype="float8_e4m3fn" if options.fp8 else None, slab_copies=options.slab_copies,
-        expert_alignment=options.expert_alignment,
+        expert_alignment=options.expert_alignment, zero_padding=options.zero_padding,
     )
     config.check_world(world_size)
 

@@ -226,6 +226,16 @@ class Config:
         bf16 rounding (7e-4 relative at 1) otherwise, so prefer a multiple of 8 for training.
     expert_capacity: rows kept per local expert per call; assignments past it are dropped
         and counted in the device status. None is lossless.
+    zero_padding: what dispatch writes into each segment's padding rows (past the expert's
+        ``tokens_per_expert`` rows, up to the alignment). ``true``: zeros, which training needs
+        (the experts' weight gradients multiply those rows, and a stale row may hold NaN).
+        ``false``: nothing; the rows keep whatever the buffer held (stale rows), as DeepEP's
+        low-latency layout leaves them. For inference whose GEMMs need aligned segments
+        (``expert_alignment`` 16, or 128 for DeepGEMM's contiguous layout) it saves the padding's
+        bytes, most of dispatch's at decode sizes. :class:`moe_comm.MoELayer` and ``expert_parallel``
+        refuse to build gradients through their experts with it off; the ``reference`` and
+        ``nccl`` backends fill those rows with 0xFF bytes (NaN in every row format) so that a
+        consumer that reads them shows.
     experts: how :class:`moe_comm.MoELayer` computes its local experts (the Dispatcher ignores
         it). ``grouped_mm``: two ``torch._grouped_mm`` calls on the expert-major rows and
         ``expert_offsets``; torch runs them without a host sync only with ``bfloat16`` on CUDA GPUs
@@ -279,6 +289,7 @@ class Config:
     dtype: str = "bfloat16"
     expert_alignment: int = 16
     expert_capacity: Optional[int] = None
+    zero_padding: bool = True
     experts: str = "auto"
     sm_budget: Optional[int] = None
     num_sms: int = 48
@@ -308,6 +319,7 @@ class Config:
         _check_int("expert_alignment", self.expert_alignment, 1)
         if self.expert_capacity is not None:
             _check_int("expert_capacity", self.expert_capacity, 1)
+        _check_bool("zero_padding", self.zero_padding)
         _check_choice("experts", self.experts, EXPERT_IMPLS)
         if self.sm_budget is not None:
             _check_int("sm_budget", self.sm_budget, 1)

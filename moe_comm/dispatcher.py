@@ -46,15 +46,17 @@ class DispatchOutput:
 
     x: ``[capacity_rows, H]`` rows grouped by local expert; expert ``j`` owns rows
         ``[expert_offsets[j-1], expert_offsets[j])`` (from 0 for ``j = 0``): its
-        ``tokens_per_expert[j]`` received rows first (by source rank, then token), then zero
-        padding up to the alignment. Rows at or past ``expert_offsets[-1]`` are unspecified.
+        ``tokens_per_expert[j]`` received rows first (by source rank, then token), then padding
+        rows up to the alignment: zeros, or with the config's ``zero_padding`` off unwritten
+        (stale bytes, possibly NaN). Rows at or past ``expert_offsets[-1]`` are unspecified.
     expert_offsets: ``[L]`` int32 cumulative end offsets (the ``offs`` of ``torch._grouped_mm``).
     tokens_per_expert: ``[L]`` int32 valid rows per local expert.
     handle: pass to :meth:`Dispatcher.combine`.
     x_scales: with the config's ``dispatch_dtype`` (``x`` is then e4m3): ``[capacity_rows, H / 128]``
-        float32, one scale per 128 channels of each row of ``x`` (:mod:`moe_comm.fp8`; zeros on the
-        padding rows); ``x`` and ``x_scales`` are views of one allocation of packed rows, so neither
-        is contiguous (row stride ``moe_comm.fp8.packed_row_bytes(H)`` bytes). None otherwise.
+        float32, one scale per 128 channels of each row of ``x`` (:mod:`moe_comm.fp8`; on the
+        padding rows zeros, or as ``x``'s without ``zero_padding``); ``x`` and ``x_scales`` are
+        views of one allocation of packed rows, so neither is contiguous (row stride
+        ``moe_comm.fp8.packed_row_bytes(H)`` bytes). None otherwise.
     quantized_from: with FP8 dispatch of a config-dtype ``x`` that requires grad, that ``x``:
         :meth:`Dispatcher.dequantize` makes the rows differentiable with respect to it (``x`` e4m3
         itself carries no gradient). None otherwise.
@@ -280,7 +282,7 @@ class Dispatcher:
 
         For FP8 dispatch ``float(out.x) * out.x_scales`` per 128 channels, rounded to the config
         dtype (:func:`moe_comm.dequantize`, in one pass on GPUs of compute capability 8.9 or newer;
-        padding rows give zeros); otherwise ``out.x`` itself. For experts that do not take FP8.
+        zero padding rows give zeros); otherwise ``out.x`` itself. For experts that do not take FP8.
         Rows at or past ``out.expert_offsets[-1]`` are unspecified, as ``out.x``'s are: on a GPU
         the pass reads that bound on the device and leaves them unwritten (they are most rows
         wherever a rank receives fewer than M * K entries: ~7/8 of them at 8 ranks with T = M).

@@ -10,7 +10,7 @@ costs no sync).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +27,7 @@ __all__ = [
     "masked_experts",
     "sliced_experts",
     "shared_expert",
+    "check_padding_for_gradients",
 ]
 
 
@@ -173,3 +174,26 @@ def shared_expert(tokens: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.T
     if tokens.device.type == "cpu":
         return swiglu(tokens.float(), w_gate_up.float(), w_down.float()).to(tokens.dtype)
     return swiglu(tokens, w_gate_up, w_down)
+
+
+def check_padding_for_gradients(config: Config, weights: Iterable[torch.Tensor], where: str) -> None:
+    """Refuse to build the experts' weight gradients over padding rows that dispatch leaves unwritten.
+
+    With ``zero_padding: false`` a segment's padding rows keep stale bytes, possibly NaN; an
+    expert's weight gradient sums ``rows^T @ grad`` over its whole segment, and a NaN row times its
+    zero gradient row is NaN. Forward passes and input gradients never mix rows, so only the
+    weights' gradients are at risk.
+
+    Args:
+        config: the dispatcher's. weights: the experts' weights. where: the caller, for the message.
+
+    Raises:
+        ConfigError: ``zero_padding`` is off while autograd records and a weight requires grad.
+    """
+    if config.zero_padding or not torch.is_grad_enabled() or not any(w.requires_grad for w in weights):
+        return
+    raise ConfigError(
+        f"{where}: config key 'zero_padding' is false, so dispatch leaves the experts' padding rows unwritten "
+        "(stale bytes, possibly NaN) and the experts' weight gradients would multiply them; set zero_padding: "
+        "true to train, or run inference under torch.no_grad() or torch.inference_mode()"
+    )

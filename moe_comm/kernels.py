@@ -256,6 +256,7 @@ class DispatchKernels:
         device: the CUDA device (with an index). defines: :func:`kernel_defines`.
         args: the common leading arguments. regions: the symmetric allocation's regions.
         num_experts: E. num_local_experts: L. expert_alignment: A. expert_capacity: C or None.
+        zero_padding: whether dispatch zeroes the segments' padding rows (the config's).
         capacity_rows: rows of ``out.x``. num_sms: blocks that push rows to peers (at most ``grid_sms``).
         grid_sms: the SMs the kernels may use, one block each: the config's ``sm_budget``, or the
             device's SM count.
@@ -274,6 +275,7 @@ class DispatchKernels:
         num_local_experts: int,
         expert_alignment: int,
         expert_capacity: Optional[int],
+        zero_padding: bool,
         capacity_rows: int,
         num_sms: int,
         grid_sms: int,
@@ -313,7 +315,7 @@ class DispatchKernels:
             prefix + (
                 (regions.meta_offset, _L), (regions.recv_x_offset, _L), (regions.copy_stride, _L),
                 (num_experts, _I), (chunk_tokens, _I),
-                (num_local_experts, _I), (expert_alignment, _I), (capacity, _I),
+                (num_local_experts, _I), (expert_alignment, _I), (int(zero_padding), _I), (capacity, _I),
                 (self._block_counts.data_ptr(), _P), (self._barrier_flags.data_ptr(), _P), (capacity_rows, _I),
             ),
             (_I, _I, _P, _I, _P, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _P),

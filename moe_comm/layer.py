@@ -36,7 +36,8 @@ from .balancing import balancing_losses, bias_step, expert_counts
 from .config import Config
 from .dispatcher import Dispatcher
 from .errors import ConfigError, InputError
-from .experts import grouped_experts, masked_experts, resolve_expert_impl, shared_expert, sliced_experts
+from .experts import (check_padding_for_gradients, grouped_experts, masked_experts, resolve_expert_impl, shared_expert,
+                      sliced_experts)
 from .router import RouterOutput, route, select_experts
 
 __all__ = [
@@ -434,6 +435,7 @@ class MoELayer(nn.Module):
         if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != hidden:
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise InputError(f"MoELayer x: expected shape [..., {hidden}] (hidden), got {shape}")
+        check_padding_for_gradients(self.config, (self.w_gate_up, self.w_down), "MoELayer")
         tokens = x.reshape(-1, hidden).contiguous()
         routed = self._route(tokens)
         topk_idx, topk_weights = routed.topk_idx, routed.topk_weights

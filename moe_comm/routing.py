@@ -24,7 +24,8 @@ Definitions (the contract the kernels follow):
   entry's -1). Expert ``j`` keeps
   ``n_j`` rows; its segment is ``n_j`` rounded up to ``expert_alignment``; ``expert_offsets``
   are the cumulative segment ends; an entry's row is ``segment start + rank``; padding rows
-  of a segment are zero.
+  of a segment are zero (with the config's ``zero_padding``, the default; without it no
+  backend writes zeros there: see ``Config.zero_padding``).
 * Combine, on the destination: for every slab row ``(s, t)`` that carries a token,
   ``partial = dtype(sum over kept k, k increasing, of w_k * y[row_k])`` accumulated in
   float32 from ``0.0`` with a separate multiply and add (no fused multiply-add), and zero
@@ -213,20 +214,24 @@ def plan_destination(
     )
 
 
-def expand_rows(recv_rows: torch.Tensor, recv_pos: torch.Tensor, capacity_rows: int) -> torch.Tensor:
+def expand_rows(recv_rows: torch.Tensor, recv_pos: torch.Tensor, capacity_rows: int,
+                zero_padding: bool) -> torch.Tensor:
     """Destination side: copy each received row to the rows of its kept entries.
 
     Args:
         recv_rows: ``[W, M, H]`` received token rows. recv_pos: ``[W, M, K]`` int32 (negative: no row).
-        capacity_rows: rows of the result.
+        capacity_rows: rows of the result. zero_padding: the config's (what the other rows hold).
 
     Returns:
-        ``[capacity_rows, H]`` in ``recv_rows``' dtype; rows no entry maps to are zero
-        (this covers the alignment padding).
+        ``[capacity_rows, H]`` in ``recv_rows``' dtype; rows no entry maps to (the alignment
+        padding among them) are zero, or without ``zero_padding`` all 0xFF bytes: NaN in every
+        row format (float rows, and packed FP8 rows' e4m3 bytes and float32 scales), so that a
+        consumer that reads rows the config leaves unspecified shows.
     """
     hidden = recv_rows.shape[-1]
     # One extra trash row absorbs the empty entries so the scatter keeps a static shape.
-    out = recv_rows.new_zeros(capacity_rows + 1, hidden)
+    out = recv_rows.new_empty(capacity_rows + 1, hidden)
+    out.view(torch.uint8).fill_(0 if zero_padding else 0xFF)
     target = recv_pos.masked_fill(recv_pos < 0, capacity_rows).to(torch.int64)
     rows = recv_rows.reshape(-1, hidden)
     # One k at a time: a single scatter needed the rows repeated K times ([W * M * K, H], 3.75 GB at

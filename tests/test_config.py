@@ -60,6 +60,8 @@ def test_yaml_file_dict_and_overrides(tmp_path):
         ({"backend": "mpi"}, "'backend': got 'mpi'"),
         ({"expert_capacity": 0}, "'expert_capacity'"),
         ({"expert_alignment": 0}, "'expert_alignment'"),
+        ({"zero_padding": "no"}, "'zero_padding': got 'no', expected true or false"),
+        ({"zero_padding": 0}, "'zero_padding': got 0"),
         ({"timeout_s": -1}, "'timeout_s'"),
         ({"timeout_s": float("nan")}, "'timeout_s'"),
         ({"check_every_step": "yes"}, "'check_every_step'"),

@@ -141,11 +141,24 @@ def _rows_used(recv_pos: torch.Tensor, capacity_rows: int) -> torch.Tensor:
     return used
 
 
-def _compare_dispatch(out, ref, tag: str) -> None:
+def _padding_rows(ref_out) -> torch.Tensor:
+    """The padding rows of a dispatch output: ``[start_j + tokens_per_expert[j], end_j)`` of each segment ``j``."""
+    ends = ref_out.expert_offsets.long()
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    rows = torch.arange(int(ends[-1]))
+    segment = torch.searchsorted(ends, rows, right=True)
+    return rows[rows >= starts[segment] + ref_out.tokens_per_expert.long()[segment]]
+
+
+def _compare_dispatch(out, ref, tag: str, zero_padding: bool = True) -> None:
     _assert_bitwise(out.expert_offsets, ref.expert_offsets, f"{tag} expert_offsets")
     _assert_bitwise(out.tokens_per_expert, ref.tokens_per_expert, f"{tag} tokens_per_expert")
     end = int(ref.expert_offsets[-1])
-    _assert_bitwise(out.x[:end], ref.x[:end], f"{tag} out.x[:expert_offsets[-1]]")
+    if zero_padding:
+        _assert_bitwise(out.x[:end], ref.x[:end], f"{tag} out.x[:expert_offsets[-1]]")
+    else:  # the padding rows are unspecified: the kept entries' rows
+        kept = _rows_used(ref.handle.routing.recv_pos, ref.x.shape[0])
+        _assert_bitwise(out.x.cpu()[kept], ref.x[kept], f"{tag} out.x (the kept entries' rows)")
     got, want = out.handle.routing, ref.handle.routing
     assert got.num_tokens == want.num_tokens
     for name in ("send_mask", "dest_rank", "recv_pos", "recv_weight"):
@@ -180,7 +193,7 @@ def _eager_step(dev, ref, rank, world, x, idx, weights, generator, tag) -> None:
                        (slab, torch.float32), ((dev.capacity_rows, HIDDEN), dtype)], device)
     out = dev.dispatch(x.to(device), idx.to(device), weights.to(device))
     ref_out = ref.dispatch(x, idx, weights)
-    _compare_dispatch(out, ref_out, tag)
+    _compare_dispatch(out, ref_out, tag, dev.config.zero_padding)
 
     routing, ref_routing = out.handle.routing, ref_out.handle.routing
     used = _rows_used(ref_routing.recv_pos, ref.capacity_rows)
@@ -226,7 +239,7 @@ def _graph_scenarios(dev, ref, rank, world, dtype, generator) -> None:
         expert = torch.searchsorted(out.expert_offsets, row_index, right=True).clamp_(max=local - 1)
         return out.x * scale_table[expert][:, None]
 
-    graphs = []
+    graphs, unwritten_rows = [], []
     for num_tokens in (MAX_TOKENS - 1 - rank, 5 + rank):
         x, idx, weights = _inputs("random", num_tokens, world, dtype, generator)
         static = dict(x=x.to(device), idx=idx.to(device), weights=weights.to(device))
@@ -252,7 +265,11 @@ def _graph_scenarios(dev, ref, rank, world, dtype, generator) -> None:
             _fill_sentinel(tensor)
         graph.replay()
         ref_out = ref.dispatch(x, idx, weights)
-        _compare_dispatch(out, ref_out, tag)
+        _compare_dispatch(out, ref_out, tag, dev.config.zero_padding)
+        if not dev.config.zero_padding:  # left as they were: the sentinel bytes filled before the replay
+            padding = _padding_rows(ref_out)
+            assert (out.x.cpu()[padding].view(torch.uint8) == SENTINEL_BYTE).all(), f"{tag}: padding rows written"
+            unwritten_rows.append(padding.numel())
         rows = torch.arange(capacity_rows, dtype=torch.int32)
         expert = torch.searchsorted(ref_out.expert_offsets, rows, right=True).clamp(max=local - 1)
         y = ref_out.x * scale_table.cpu()[expert][:, None]
@@ -264,6 +281,7 @@ def _graph_scenarios(dev, ref, rank, world, dtype, generator) -> None:
         if step % 10 == 4:  # eager calls between replays share the epochs with the graphs
             x, idx, weights = _inputs("random", MAX_TOKENS - rank, world, dtype, generator)
             _eager_step(dev, ref, rank, world, x, idx, weights, generator, f"eager after replay {step}")
+    assert dev.config.zero_padding or sum(unwritten_rows) > 0, "no replay had padding rows to leave unwritten"
 
     # A burst of replays with no host sync in between, one rank starting late: the device of the
     # other rank runs ahead and must not overwrite slabs still being read (slab copies by parity).
@@ -313,6 +331,23 @@ def _no_padding_scenario(rank, world, gloo, backend: str, section: dict) -> None
         assert dev.capacity_rows == ref.capacity_rows == world * MAX_TOKENS * TOPK
         _eager_scenarios(dev, ref, rank, world, torch.bfloat16, generator, ("random", "one_expert", "empty"))
         _graph_scenarios(dev, ref, rank, world, torch.bfloat16, generator)
+
+
+def _unwritten_padding_scenario(rank, world, gloo, backend: str, section: dict) -> None:
+    """zero_padding off: the kept entries' rows bitwise the reference's, eager and graph-replayed (a
+    replay leaves the padding rows as they were), and on chunked rows (the batched expansion)."""
+    generator = torch.Generator().manual_seed(1500 + rank)
+    for tokens in (MAX_TOKENS, CHUNKED_MAX_TOKENS):
+        sizes = dict(zero_padding=False, max_tokens_per_rank=tokens)
+        with moe_comm.Dispatcher(_config(backend, "bfloat16", **sizes, **section)) as dev, \
+                moe_comm.Dispatcher(_config("reference", "bfloat16", **sizes), group=gloo) as ref:
+            if tokens == MAX_TOKENS:
+                _eager_scenarios(dev, ref, rank, world, torch.bfloat16, generator, ("random", "one_expert", "empty"))
+                _graph_scenarios(dev, ref, rank, world, torch.bfloat16, generator)
+            else:
+                x, idx, weights = _inputs("random", tokens - 3 * rank, world, torch.bfloat16, generator)
+                tag = f"unwritten padding, T={x.shape[0]} (rank {rank})"
+                _eager_step(dev, ref, rank, world, x, idx, weights, generator, tag)
 
 
 # SM budgets: one SM (every role on one block: metadata, rows, layout, expansion), three (fewer
@@ -464,6 +499,7 @@ def _rank_main(rank: int, world: int, backend_id: str) -> None:
     if world <= PER_RANK_SCENARIOS_MAX_WORLD:
         _capacity_scenarios(rank, world, gloo, backend, section)
         _no_padding_scenario(rank, world, gloo, backend, section)
+        _unwritten_padding_scenario(rank, world, gloo, backend, section)
         _budget_scenarios(rank, world, gloo, backend, section)
         _many_experts_scenario(rank, world, gloo, backend, section)
         _one_layout_block_scenario(rank, world, gloo, backend, section)

@@ -72,7 +72,8 @@ class _Recorder:
         self.values.append(params.values())
 
 
-def _launch_every_kernel(monkeypatch, num_sms: int, grid_sms: int, tokens: int, world: int = WORLD) -> dict:
+def _launch_every_kernel(monkeypatch, num_sms: int, grid_sms: int, tokens: int, world: int = WORLD,
+                         zero_padding: bool = True) -> dict:
     """Launch each kernel once through recording stand-ins (as rank 0 of ``world``); returns (file, entry) ->
     recorder."""
     recorders = {}
@@ -89,7 +90,8 @@ def _launch_every_kernel(monkeypatch, num_sms: int, grid_sms: int, tokens: int, 
     local = EXPERTS // world
     capacity_rows = 64
     dispatch = kernels.DispatchKernels(cpu, defines, args, layout, num_experts=EXPERTS, num_local_experts=local,
-                                       expert_alignment=4, expert_capacity=None, capacity_rows=capacity_rows,
+                                       expert_alignment=4, expert_capacity=None, zero_padding=zero_padding,
+                                       capacity_rows=capacity_rows,
                                        num_sms=num_sms, grid_sms=grid_sms)
     combine = kernels.CombineKernels(cpu, defines, args, layout, capacity_rows=capacity_rows, num_sms=num_sms,
                                      grid_sms=grid_sms)
@@ -124,6 +126,13 @@ def test_launchers_pass_the_parameters_the_kernels_declare(monkeypatch, world, s
                                 ("dispatch", "dispatch" + suffix), ("dispatch", "redispatch")]
     for (name, entry), launches in launched.items():
         assert launches == [_signature(sources[name], entry)], f"{name}.{entry}: launch parameters differ from csrc"
+
+
+@pytest.mark.parametrize("zero_padding", [True, False])
+def test_dispatch_gets_the_configs_zero_padding(monkeypatch, zero_padding):
+    recorders = _launch_every_kernel(monkeypatch, num_sms=4, grid_sms=8, tokens=5, zero_padding=zero_padding)
+    values = recorders[("dispatch", "dispatch")].values[0]
+    assert values[_parameter_index("dispatch", "dispatch", "zero_pad")] == int(zero_padding)
 
 
 def test_sm_budget_bounds_every_grid(monkeypatch):

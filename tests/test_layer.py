@@ -191,6 +191,40 @@ def _balancing_state(rank, world_size, backend):
     return results
 
 
+def _unwritten_padding(rank, world_size, backend):
+    """zero_padding off: the padding rows (all 0xFF bytes, NaN, on the reference backend) reach no
+    output of an inference step, and the layer refuses to record the experts' weight gradients."""
+    cfg = load_config(None, backend=backend, dtype="float32", **BASE)
+    generator = torch.Generator().manual_seed(90 + rank)
+    x = torch.randn(BASE["max_tokens_per_rank"], BASE["hidden"], generator=generator)
+    layers = [MoELayer(load_config(cfg.to_dict(), zero_padding=zero), FFN, seed=4) for zero in (True, False)]
+    results = {}
+    try:
+        with torch.no_grad():
+            results["same_outputs"] = torch.equal(layers[0](x), layers[1](x))
+        with torch.inference_mode():
+            results["inference_mode_ok"] = torch.equal(layers[0](x), layers[1](x))
+        out = layers[1].dispatcher.dispatch(x, layers[1].last_topk_idx, layers[1].last_topk_weights)
+        ends = out.expert_offsets.tolist()
+        starts = [0] + ends[:-1]
+        padding = [row for start, end, kept in zip(starts, ends, out.tokens_per_expert.tolist())
+                   for row in range(start + kept, end)]
+        results["padding_rows"] = len(padding)
+        results["padding_nan"] = bool(out.x[padding].isnan().all())
+        try:
+            layers[1](x)
+        except ConfigError as exc:
+            results["grad_error"] = str(exc)
+        # The input's gradient alone does not go through the experts' weights.
+        for param in layers[1].parameters():
+            param.requires_grad_(False)
+        results["frozen_ok"] = torch.equal(layers[1](x), layers[0](x).detach())
+    finally:
+        for layer in layers:
+            layer.close()
+    return results
+
+
 def _layer_repr(backend):
     with MoELayer(load_config(None, backend=backend, dtype="float32", **BASE), FFN) as layer:
         return repr(layer)
@@ -202,6 +236,7 @@ def _all_scenarios(rank, world_size, backend, names):
     results["repr"] = _layer_repr(backend)
     results["weights"] = _given_weights(rank, world_size, backend)
     results["balancing"] = _balancing_state(rank, world_size, backend)
+    results["unwritten_padding"] = _unwritten_padding(rank, world_size, backend)
     return results
 
 
@@ -248,6 +283,11 @@ def _check(per_rank: list, names) -> None:
         assert "'router.bias_update_rate' is 0" in balancing["no_bias_error"]
         for mine, first in zip(balancing["biases"], per_rank[0]["balancing"]["biases"]):
             assert torch.equal(mine, first), "the expert bias must stay the same on every rank"
+        unwritten = results["unwritten_padding"]
+        assert unwritten["same_outputs"] and unwritten["inference_mode_ok"] and unwritten["frozen_ok"], unwritten
+        assert unwritten["padding_rows"] > 0 and unwritten["padding_nan"], unwritten
+        assert "MoELayer: config key 'zero_padding' is false" in unwritten["grad_error"]
+        assert "torch.no_grad()" in unwritten["grad_error"]
 
 
 # World 1 keeps every expert local (no exchange); world 2 moves tokens between ranks. One

@@ -65,8 +65,15 @@ def test_plan_destination_orders_aligns_and_drops():
 def test_expand_and_combine_follow_the_fixed_order():
     recv_pos = torch.tensor([[[1, -1]], [[0, 2]]], dtype=torch.int32)  # W=2, M=1, K=2
     recv_rows = torch.tensor([[[1.0, 2.0]], [[3.0, 4.0]]])
-    out = routing.expand_rows(recv_rows, recv_pos, capacity_rows=4)
+    out = routing.expand_rows(recv_rows, recv_pos, capacity_rows=4, zero_padding=True)
     assert out.tolist() == [[3.0, 4.0], [1.0, 2.0], [3.0, 4.0], [0.0, 0.0]]
+    # Without zero padding the unmapped row is all 0xFF bytes: NaN in each row format.
+    for rows in (recv_rows, recv_rows.to(torch.bfloat16), recv_rows.to(torch.float16)):
+        unwritten = routing.expand_rows(rows, recv_pos, capacity_rows=4, zero_padding=False)
+        assert torch.equal(unwritten[:3], out[:3].to(rows.dtype)) and unwritten[3].isnan().all()
+    packed = torch.zeros(2, 1, 8, dtype=torch.uint8)  # a packed FP8 row: 4 e4m3 bytes and one float32 scale
+    unwritten = routing.expand_rows(packed, recv_pos, capacity_rows=4, zero_padding=False)[3]
+    assert unwritten[:4].view(torch.float8_e4m3fn).float().isnan().all() and unwritten[4:].view(torch.float32).isnan()
 
     weights = torch.tensor([[[0.5, 9.0]], [[2.0, 0.25]]])
     y = torch.tensor([[1.0, 1.0], [2.0, 2.0], [4.0, 8.0], [float("nan"), 0.0]])

@@ -85,7 +85,8 @@ def test_a_model_built_on_the_meta_device_loads_only_its_experts():
 
 
 def _rank_refusals(rank: int, world: int) -> dict:
-    """The errors of a world size that does not divide the experts and of a model converted afterwards."""
+    """The errors of a world size that does not divide the experts, of a model converted afterwards and
+    of training without zero padding; inference without it."""
     messages = {}
     try:
         expert_parallel(build_model("qwen3_moe", num_experts=3), backend="reference")
@@ -96,13 +97,26 @@ def _rank_refusals(rank: int, world: int) -> dict:
         model.to(torch.bfloat16)(torch.zeros(1, 4, dtype=torch.long))
     except InputError as exc:
         messages["dtype"] = str(exc)
+    # zero_padding off: gradients through the experts refused; inference as with zero padding.
+    zeroed = expert_parallel(build_model("plain"), backend="reference")
+    unwritten = expert_parallel(build_model("plain"), backend="reference", zero_padding=False)
+    tokens = torch.arange(8).reshape(1, 8) % VOCAB
+    try:
+        unwritten(tokens)
+    except ConfigError as exc:
+        messages["zero_padding"] = str(exc)
+    with torch.no_grad():
+        messages["inference_same"] = torch.equal(unwritten(tokens).logits, zeroed(tokens).logits)
     return messages
 
 
-def test_world_size_not_dividing_the_experts_and_a_later_dtype_change_are_refused():
+def test_refusals_a_world_size_not_dividing_the_experts_a_later_dtype_change_and_training_without_zero_padding():
     for messages in run_ranks(_rank_refusals, WORLD, timeout_s=120):
         assert "num_experts" in messages["world"] and "3" in messages["world"], messages
         assert all(word in messages["dtype"] for word in ("PlainExperts", "bfloat16", "float32", "dtype=")), messages
+        assert messages["zero_padding"].startswith("PlainExperts (moe_comm experts): config key 'zero_padding'"), \
+            messages
+        assert messages["inference_same"], messages
 
 
 class _NoMoe(nn.Module):

@@ -223,13 +223,13 @@ class CollectiveBackend(Backend):
             recv_expert, self.num_local_experts, cfg.expert_alignment, cfg.expert_capacity, self.status, self._call
         )
         routing = Routing(num_tokens, send_mask, dest_rank, plan.recv_pos, recv_weight)
-        out_x = expand_rows(recv_rows, plan.recv_pos, self.capacity_rows)
+        out_x = expand_rows(recv_rows, plan.recv_pos, self.capacity_rows, cfg.zero_padding)
         return DispatchResult(out_x, plan.expert_offsets, plan.tokens_per_expert, routing)
 
     def redispatch(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         self._call.add_(1)
         recv_rows = self._send_tokens(x, routing.send_mask, "redispatch: all_to_all_single of token rows")
-        return expand_rows(recv_rows, routing.recv_pos, self.capacity_rows)
+        return expand_rows(recv_rows, routing.recv_pos, self.capacity_rows, self.config.zero_padding)
 
     def combine(self, y: torch.Tensor, routing: Routing, weighted: bool = True) -> torch.Tensor:
         weights = routing.recv_weight if weighted else None

@@ -246,8 +246,8 @@ class DeviceBackend(Backend):
             return kernels.DispatchKernels(
                 self.device, row_defines, args, regions, num_experts=cfg.num_experts,
                 num_local_experts=self.num_local_experts, expert_alignment=cfg.expert_alignment,
-                expert_capacity=cfg.expert_capacity, capacity_rows=self.capacity_rows, num_sms=cfg.num_sms,
-                grid_sms=grid_sms, toolchain=toolchain,
+                expert_capacity=cfg.expert_capacity, zero_padding=cfg.zero_padding, capacity_rows=self.capacity_rows,
+                num_sms=cfg.num_sms, grid_sms=grid_sms, toolchain=toolchain,
             )
 
         self._dispatch_kernels = dispatch_kernels(defines, self.regions)

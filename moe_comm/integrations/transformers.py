@@ -33,7 +33,7 @@ from torch import nn
 from ..config import DTYPES, Config, load_config
 from ..dispatcher import Dispatcher
 from ..errors import ConfigError, InputError
-from ..experts import expert_of_rows, resolve_expert_impl
+from ..experts import check_padding_for_gradients, expert_of_rows, resolve_expert_impl
 
 __all__ = ["IMPLEMENTATION", "expert_parallel"]
 
@@ -166,6 +166,7 @@ def _moe_comm_experts_forward(
         raise InputError(f"{type(self).__name__} hidden_states: the model runs in {hidden_states.dtype} but was made "
                          f"expert-parallel for {dispatcher.config.dtype}: convert it before expert_parallel, or "
                          f"pass expert_parallel(..., dtype=...) with the dtype it will run in")
+    check_padding_for_gradients(dispatcher.config, self.parameters(), f"{type(self).__name__} (moe_comm experts)")
     grouped = resolve_expert_impl(dispatcher.config, hidden_states.device, _ffn_hidden(self)) == "grouped_mm"
     size = dispatcher.config.max_tokens_per_rank
     pieces = []
