@@ -150,7 +150,7 @@ def _padding_rows(ref_out) -> torch.Tensor:
     return rows[rows >= starts[segment] + ref_out.tokens_per_expert.long()[segment]]
 
 
-def _compare_dispatch(out, ref, tag: str, zero_padding: bool = True) -> None:
+def _compare_dispatch(out, ref, tag: str, zero_padding: bool) -> None:
     _assert_bitwise(out.expert_offsets, ref.expert_offsets, f"{tag} expert_offsets")
     _assert_bitwise(out.tokens_per_expert, ref.tokens_per_expert, f"{tag} tokens_per_expert")
     end = int(ref.expert_offsets[-1])
@@ -291,7 +291,7 @@ def _graph_scenarios(dev, ref, rank, world, dtype, generator) -> None:
     for _ in range(10):
         graph.replay()
     ref_out = ref.dispatch(static["x"].cpu(), static["idx"].cpu(), static["weights"].cpu())
-    _compare_dispatch(out, ref_out, "burst")
+    _compare_dispatch(out, ref_out, "burst", dev.config.zero_padding)
     rows = torch.arange(capacity_rows, dtype=torch.int32)
     expert = torch.searchsorted(ref_out.expert_offsets, rows, right=True).clamp(max=local - 1)
     y = ref_out.x * scale_table.cpu()[expert][:, None]
@@ -459,7 +459,7 @@ def _ahead_scenario(rank, world, gloo, backend: str, section: dict) -> None:
             for call, (inputs, out, z) in enumerate(calls):
                 tag = f"call {call} ahead, slab_copies {copies} (rank {rank})"
                 ref_out = ref.dispatch(*inputs)
-                _compare_dispatch(out, ref_out, tag)
+                _compare_dispatch(out, ref_out, tag, dev.config.zero_padding)
                 _assert_bitwise(z, ref.combine(ref_out.x * 2, ref_out.handle), f"{tag} combine")
             _check_status(dev, ref, f"ahead, slab_copies {copies}")
 
