@@ -215,7 +215,7 @@ def _unwritten_padding(rank, world_size, backend):
             layers[1](x)
         except ConfigError as exc:
             results["grad_error"] = str(exc)
-        # The input's gradient alone does not go through the experts' weights.
+        # Frozen weights: autograd records no weight gradient, so the layer runs under grad mode.
         for param in layers[1].parameters():
             param.requires_grad_(False)
         results["frozen_ok"] = torch.equal(layers[1](x), layers[0](x).detach())
