@@ -39,7 +39,7 @@ __all__ = ["KernelWarmUp", "selected_configs", "start"]
 def selected_configs(items: Iterable, gpus: int) -> list[moe_comm.Config]:
     """The distinct configs of the ``kernels`` markers of ``items`` that can run on ``gpus`` GPUs,
     in the items' order (the order the tests run in, so their builds start in that order)."""
-    configs: dict[str, moe_comm.Config] = {}
+    configs: dict[moe_comm.Config, None] = {}  # an ordered set: configs are frozen, so hashable
     for item in items:
         marker = item.get_closest_marker("kernels")
         if marker is None:
@@ -50,9 +50,8 @@ def selected_configs(items: Iterable, gpus: int) -> list[moe_comm.Config]:
             continue  # the test skips here
         (configs_of,) = marker.args
         names = inspect.signature(configs_of).parameters
-        for config in configs_of(**{name: params[name] for name in names}):
-            configs.setdefault(yaml.safe_dump(config.to_dict(), sort_keys=True), config)
-    return list(configs.values())
+        configs.update(dict.fromkeys(configs_of(**{name: params[name] for name in names})))
+    return list(configs)
 
 
 class KernelWarmUp:
