@@ -339,11 +339,12 @@ def _moe_comm_step(disp: Dispatcher, inputs: tuple, fixed_rows: Optional[torch.T
     return disp.combine(_expert_rows(disp, out) if fixed_rows is None else fixed_rows, out.handle)
 
 
-def _config(options: BenchOptions, work: _Workload, sm_budget: Optional[int], dispatch_dtype: Optional[str] = None,
+def _config(options: BenchOptions, max_tokens: int, sm_budget: Optional[int], dispatch_dtype: Optional[str] = None,
             num_sms: Optional[int] = None):
+    """The config of a measurement of at most ``max_tokens`` tokens a rank (``num_sms`` None: ``options``')."""
     return load_config(
         None, backend=options.backend, num_experts=options.num_experts, topk=options.topk, hidden=options.hidden,
-        max_tokens_per_rank=max(work.source_x.shape[0], 1), dtype=options.dtype,
+        max_tokens_per_rank=max(max_tokens, 1), dtype=options.dtype,
         num_sms=options.num_sms if num_sms is None else num_sms,
         sm_budget=sm_budget, dispatch_dtype=dispatch_dtype, slab_copies=options.slab_copies,
         expert_alignment=options.expert_alignment, zero_padding=options.zero_padding,
@@ -362,7 +363,7 @@ def _measure_moe_comm(options: BenchOptions, work: _Workload, group, sm_budget: 
     ``num_sms``: the senders (None: ``options.num_sms``).
     ``eager``: False leaves the eager calls untimed (the budget sweep's rows are graph-replayed only).
     """
-    cfg = _config(options, work, sm_budget, dispatch_dtype, num_sms)
+    cfg = _config(options, work.source_x.shape[0], sm_budget, dispatch_dtype, num_sms)
     result = {}
     with Dispatcher(cfg, group=group) as disp:
         timer = _Timer(disp.device, group, options.repeats, options.warmup)
@@ -459,7 +460,7 @@ def _measure_overlap(options: BenchOptions, work: _Workload, group, sm_budget: i
     gen = torch.Generator().manual_seed(5)
     size = options.overlap_gemm
     a, b = (torch.randn(size, size, generator=gen).to(device, torch.bfloat16) for _ in range(2))
-    with Dispatcher(_config(options, work, sm_budget), group=group) as disp:
+    with Dispatcher(_config(options, work.source_x.shape[0], sm_budget), group=group) as disp:
         timer = _Timer(device, group, options.repeats, options.warmup)
         _moe_comm_step(disp, work.static)
         comm_graph, _ = _graph(device, lambda: _moe_comm_step(disp, work.static))
@@ -843,13 +844,7 @@ def _check_options(options: BenchOptions, world_size: int) -> None:
     if options.sender_sweep and not options.budget_sweep:
         raise ConfigError("--sweep-senders: times num_sms at each --sweep-budget value, and no --sweep-budget "
                           "was given")
-    config = load_config(
-        None, backend=options.backend, num_experts=options.num_experts, topk=options.topk, hidden=options.hidden,
-        max_tokens_per_rank=max(options.tokens), dtype=options.dtype, num_sms=options.num_sms,
-        dispatch_dtype="float8_e4m3fn" if options.fp8 else None, slab_copies=options.slab_copies,
-        expert_alignment=options.expert_alignment, zero_padding=options.zero_padding,
-    )
-    config.check_world(world_size)
+    _config(options, max(options.tokens), None, "float8_e4m3fn" if options.fp8 else None).check_world(world_size)
 
 
 def main(argv: Optional[list] = None) -> int:

@@ -9,7 +9,6 @@ import sys
 import time
 from pathlib import Path
 from dataclasses import asdict
-from types import SimpleNamespace
 
 import pytest
 
@@ -222,11 +221,11 @@ def test_cpu_defaults_are_a_smoke_run_and_flags_win():
     # --expert-alignment reaches the config every measurement is made with.
     aligned = bench._options(bench._parser().parse_args(["--expert-alignment", "1"]), gpus=1)
     assert (aligned.expert_alignment, given.expert_alignment) == (1, Config.expert_alignment)
-    assert bench._config(aligned, SimpleNamespace(source_x=torch.empty(8, 0)), None).expert_alignment == 1
+    assert bench._config(aligned, 8, None).expert_alignment == 1
     # So does --no-zero-padding.
     unwritten = bench._options(bench._parser().parse_args(["--no-zero-padding"]), gpus=1)
     assert (unwritten.zero_padding, given.zero_padding) == (False, True)
-    assert not bench._config(unwritten, SimpleNamespace(source_x=torch.empty(8, 0)), None).zero_padding
+    assert not bench._config(unwritten, 8, None).zero_padding
     assert bench._options(bench._parser().parse_args([]), gpus=1).overlap_budgets == ()
 
 
