@@ -31,6 +31,7 @@ from moe_comm import protocol
 from moe_comm.backends.collective import CollectiveBackend
 from gpu_backends import GPU_BACKENDS, dist_backend_for, gpus_needed
 from multirank import run_ranks
+from segments import padding_rows
 
 pytestmark = pytest.mark.gpu
 
@@ -140,15 +141,6 @@ def _rows_used(recv_pos: torch.Tensor, capacity_rows: int) -> torch.Tensor:
     kept = recv_pos[recv_pos >= 0].long()
     used[kept] = True
     return used
-
-
-def _padding_rows(ref_out) -> torch.Tensor:
-    """The padding rows of a dispatch output: ``[start_j + tokens_per_expert[j], end_j)`` of each segment ``j``."""
-    ends = ref_out.expert_offsets.long()
-    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
-    rows = torch.arange(int(ends[-1]))
-    segment = torch.searchsorted(ends, rows, right=True)
-    return rows[rows >= starts[segment] + ref_out.tokens_per_expert.long()[segment]]
 
 
 def _compare_dispatch(out, ref, tag: str, zero_padding: bool) -> None:
@@ -270,7 +262,7 @@ def _graph_scenarios(dev, ref, rank, world, dtype, generator) -> None:
         if not dev.config.zero_padding:
             # The device kernels leave them as they were (the sentinel bytes filled before the replay);
             # the collective backend's torch code fills a new buffer's with 0xFF.
-            padding = _padding_rows(ref_out)
+            padding = padding_rows(ref_out)
             want = 0xFF if isinstance(dev._backend, CollectiveBackend) else SENTINEL_BYTE
             assert (out.x.cpu()[padding].view(torch.uint8) == want).all(), f"{tag}: padding rows written"
             unwritten_rows.append(padding.numel())

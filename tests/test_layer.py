@@ -20,6 +20,7 @@ from moe_comm.layer import MoELayer, MoEWeights, moe_aux_loss, route, update_exp
 from moe_comm.reference import build_dense_weights, dense_forward, dense_route
 from layer_checks import BASE, FFN, TOLERANCE, assert_within, gather, layer_errors
 from multirank import run_ranks
+from segments import padding_rows
 
 # DeepSeek-V3's router on 8 experts: sigmoid scores, 4 groups of 2 of which each token keeps 2,
 # a selection bias (aux-loss-free balancing), renormalised weights scaled by 2.5.
@@ -205,11 +206,8 @@ def _unwritten_padding(rank, world_size, backend):
         with torch.inference_mode():
             results["inference_mode_ok"] = torch.equal(layers[0](x), layers[1](x))
         out = layers[1].dispatcher.dispatch(x, layers[1].last_topk_idx, layers[1].last_topk_weights)
-        ends = out.expert_offsets.tolist()
-        starts = [0] + ends[:-1]
-        padding = [row for start, end, kept in zip(starts, ends, out.tokens_per_expert.tolist())
-                   for row in range(start + kept, end)]
-        results["padding_rows"] = len(padding)
+        padding = padding_rows(out)
+        results["padding_rows"] = padding.numel()
         results["padding_nan"] = bool(out.x[padding].isnan().all())
         try:
             layers[1](x)
