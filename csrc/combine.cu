@@ -250,7 +250,8 @@ __device__ __forceinline__ void combine_own_tokens(const void* y, int capacity_r
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) combine(COMBINE_PARAMS) {
     __shared__ i64 s_peer[MAX_WORLD];
     __shared__ RowBatch batch;
-    const Call call = begin_call(s_peer, peers, world, state, CH_TO_SOURCE, true, SLOT_COMBINE_RECV, copy_stride);
+    const Call call = begin_call(s_peer, peers, rank, world, state, status,
+                                 CH_TO_SOURCE, true, SLOT_COMBINE_RECV, copy_stride);
     const u64 epoch = call.epoch;
     off_ret_x += slab_copy(epoch, copy_stride);
     send_partials(batch, s_peer, rank, world, max_tokens_per_rank, epoch, status, timeout_ns, off_ret_x, off_stage_x, y,
@@ -268,7 +269,8 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) combine(COMBINE_PA
 // the multi-rank kernel's registers stay its own.
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) combine_one_rank(COMBINE_PARAMS) {
     __shared__ i64 s_peer[MAX_WORLD];
-    const Call call = begin_call(s_peer, peers, world, state, CH_TO_SOURCE, true, SLOT_COMBINE_RECV, copy_stride);
+    const Call call = begin_call(s_peer, peers, rank, world, state, status,
+                                 CH_TO_SOURCE, true, SLOT_COMBINE_RECV, copy_stride);
     combine_own_tokens(y, capacity_rows, recv_pos, recv_weight, weighted, num_tokens, z);
     end_call(call, state, SLOT_COMBINE_RECV, s_peer, rank, world, CH_TO_SOURCE, copy_stride);
 }
@@ -280,7 +282,7 @@ extern "C" __global__ void __launch_bounds__(VALUES_THREADS) values_send(
     i64 off_ret_vals, i64 copy_stride, const float* __restrict__ row_vector, int capacity_rows,
     const i32* __restrict__ recv_pos) {
     __shared__ i64 s_peer[MAX_WORLD];
-    const u64 epoch = begin_call(s_peer, peers, world, state, CH_TO_SOURCE, false, 0, copy_stride).epoch;
+    const u64 epoch = begin_call(s_peer, peers, rank, world, state, status, CH_TO_SOURCE, false, 0, copy_stride).epoch;
     off_ret_vals += slab_copy(epoch, copy_stride);
     if (acks_needed(copy_stride)) {
         block_wait_flags(s_peer[rank], world, CH_TO_SOURCE, FLAG_ACK, epoch - 1, status, TIMEOUT_TO_SOURCE_ACK,
@@ -310,7 +312,8 @@ extern "C" __global__ void __launch_bounds__(VALUES_THREADS) values_recv(
     const i64* __restrict__ peers, int rank, int world, int max_tokens_per_rank, u64* state, i64* status, i64 timeout_ns,
     i64 off_ret_vals, i64 copy_stride, const i32* __restrict__ dest_rank, int num_tokens, float* __restrict__ out) {
     __shared__ i64 s_peer[MAX_WORLD];
-    const Call call = begin_call(s_peer, peers, world, state, CH_TO_SOURCE, true, SLOT_VALUES_RECV, copy_stride);
+    const Call call = begin_call(s_peer, peers, rank, world, state, status,
+                                 CH_TO_SOURCE, true, SLOT_VALUES_RECV, copy_stride);
     const u64 epoch = call.epoch;
     off_ret_vals += slab_copy(epoch, copy_stride);
     block_wait_flags(s_peer[rank], world, CH_TO_SOURCE, FLAG_ARRIVAL, epoch, status, TIMEOUT_TO_SOURCE_ARRIVAL,

@@ -332,16 +332,65 @@ __device__ __forceinline__ bool acks_needed(i64 copy_stride) { return copy_strid
 
 // ------------------------------------------------------------------------------ status word
 
-__device__ __forceinline__ bool status_timed_out(const i64* status) {
-    return *reinterpret_cast<const volatile i64*>(status + STATUS_TIMEOUT_PHASE) != 0;
-}
-
 // First timeout wins: the phase is claimed with a CAS, then the peer is written.
 __device__ __forceinline__ void status_record_timeout(i64* status, int phase, int peer) {
     u64* slot = reinterpret_cast<u64*>(status + STATUS_TIMEOUT_PHASE);
     if (atomicCAS(slot, 0ull, static_cast<u64>(phase)) == 0ull) {
         atomicExch(reinterpret_cast<u64*>(status + STATUS_TIMEOUT_PEER), static_cast<u64>(peer));
     }
+}
+
+// ------------------------------------------------------------------------------ the abort word
+// A failure is the whole group's (moe_comm/protocol.py, ABORT_RAISED): the first wait of a rank that
+// runs past timeout_ns raises the abort word (one u64 right after the flags) in every rank's
+// allocation and its own; every kernel reads its own word as it begins (begin_call) and every wait
+// while it spins, gives up at once when it is raised, and records it in the status word. So after
+// a timeout on any rank no call of any rank waits out another timeout or takes a peer's data of
+// another call for its own (their epochs no longer agree) without its status saying so; only a
+// collective reset (DeviceBackend.reset: every rank idle, then the whole allocation, state and
+// scratch zeroed between two barriers) lowers the word.
+
+__device__ __forceinline__ u64* abort_word(i64 base, int world) {
+    return reinterpret_cast<u64*>(base) + static_cast<i64>(CHANNELS) * FLAG_KINDS * world;
+}
+
+// What a wait needs to raise or find the abort word, set by begin_call for the whole block.
+struct FaultScope {
+    const i64* peers;  // the block's s_peer [world]
+    u64* own_abort;    // this rank's abort word
+    i64* status;       // this rank's status word
+    int rank;
+    int world;
+    int aborted;       // the word was raised when the call began
+};
+__shared__ FaultScope s_fault;
+
+// The first abort word a call of this rank found raised goes into status[STATUS_ABORT].
+__device__ __forceinline__ void status_record_abort(i64* status, u64 word) {
+    atomicCAS(reinterpret_cast<u64*>(status + STATUS_ABORT), 0ull, word);
+}
+
+// Whether this rank's abort word is raised now; records it if so (an acquire: see end_call).
+__device__ __forceinline__ bool abort_seen(i64* status) {
+    const u64 word = ld_acquire_sys(s_fault.own_abort);
+    if (word != 0ull) status_record_abort(status, word);
+    return word != 0ull;
+}
+
+// One thread: this rank failed waiting for `peer` (rank; the own rank: its blocks) in `phase`.
+// Whole word stores, any order: every raised word is some failing rank's, which is all a reader uses.
+__device__ __forceinline__ void raise_abort(i64* status, int phase, int peer) {
+    const u64 word = ABORT_RAISED | (static_cast<u64>(phase) << 32) |
+                     (static_cast<u64>(peer == s_fault.rank ? ABORT_NO_PEER : peer) << 16) |
+                     static_cast<u64>(s_fault.rank);
+    for (int r = 0; r < s_fault.world; ++r) {
+#if PUT_TRANSPORT
+        nvshmem_uint64_p(abort_word(s_fault.peers[r], s_fault.world), word, r);
+#else
+        st_relaxed_sys(abort_word(s_fault.peers[r], s_fault.world), word);
+#endif
+    }
+    status_record_abort(status, word);
 }
 
 // Add `count` offenders of call `epoch` to status[count_field]; lower status[call_field] to `epoch`
@@ -355,20 +404,23 @@ __device__ __forceinline__ void status_add_offenders(i64* status, int count_fiel
 }
 
 // Spin until ready() (a load and a test), at most timeout_ns. On timeout record (phase, peer) in
-// the status word and return false; if a timeout was recorded already (the protocol is broken
-// until Dispatcher.check() clears it) give up at once so every kernel ends, unless `patient`: waits
-// for blocks of the same kernel, which always arrive (every wait they make is bounded), keep
-// ordering the kernel's own phases, so a broken call never reads unwritten data.
+// the status word, raise the group's abort word and return false; once the abort word is raised
+// (by this rank or a peer: the protocol is broken until a collective reset) give up at once so
+// every kernel of every rank ends, unless `patient`: waits for blocks of the same kernel, which
+// always arrive (every wait they make is bounded), keep ordering the kernel's own phases, so a
+// broken call never reads unwritten data.
 template <typename Ready>
 __device__ __forceinline__ bool spin_until(Ready ready, i64* status, int phase, int peer, i64 timeout_ns, bool patient) {
     if (ready()) return true;
-    if (!patient && status_timed_out(status)) return false;
+    if (!patient && (s_fault.aborted || abort_seen(status))) return false;
     const u64 start = globaltimer_ns();
     for (;;) {
         sleep_ns(32);
         if (ready()) return true;
+        if (!patient && abort_seen(status)) return false;
         if (static_cast<i64>(globaltimer_ns() - start) > timeout_ns) {
             status_record_timeout(status, phase, peer);
+            raise_abort(status, phase, peer);
             return false;
         }
     }
@@ -488,6 +540,18 @@ __device__ __forceinline__ void remote_st64(u64* dst, u64 value, int pe) {
 #endif
 }
 
+// A tagged word that also releases what this rank did before it (the count words: a peer that
+// acquires one may reuse what this rank read in its calls before; see "slab copies" above).
+__device__ __forceinline__ void remote_st64_release(u64* dst, u64 value, int pe) {
+#if PUT_TRANSPORT
+    nvshmem_fence();
+    nvshmem_uint64_p(dst, value, pe);
+#else
+    (void)pe;
+    st_release_sys(dst, value);
+#endif
+}
+
 // Two tagged words at a 16-byte aligned dst: one vector store with peer stores (each word is
 // still whole, which is all a reader relies on), two value puts with NVSHMEM.
 __device__ __forceinline__ void remote_st64x2(u64* dst, u64 a, u64 b, int pe) {
@@ -593,11 +657,12 @@ __device__ __forceinline__ void ld_relaxed_sys_x2(const u64* p, u64& a, u64& b) 
 }
 
 // Spin until the word at p carries `epoch`'s tag and return it, as spin_until (on timeout the
-// stale word comes back; the status word says the call is broken).
+// stale word comes back; the status word says the call is broken). An acquire: what the writer did
+// before its release of the word (remote_st64_release) happens before what this thread does next.
 __device__ __forceinline__ u64 wait_tagged(const u64* p, u64 epoch, i64* status, int phase, int peer, i64 timeout_ns) {
     u64 word = 0;
     spin_until([&]() {
-        word = ld_relaxed_sys(p);
+        word = ld_acquire_sys(p);
         return has_tag(word, epoch);
     }, status, phase, peer, timeout_ns, false);
     return word;
@@ -613,10 +678,13 @@ __device__ __forceinline__ int tagged_count(i64 base, int world, int peer, u64 e
     return count > static_cast<u32>(max_tokens_per_rank) ? max_tokens_per_rank : static_cast<int>(count);
 }
 
-// This rank's T at `epoch` into the count word of `epoch`'s parity in every rank's flags.
+// This rank's T at `epoch` into the count word of `epoch`'s parity in every rank's flags, released:
+// the peer that acquires it at `epoch` knows this rank finished every call before (its reads of the
+// slab copy the peer writes next among them).
 __device__ __forceinline__ void send_count_every_rank(const i64* s_peer, int rank, int world, u64 epoch, int count) {
     for (int r = threadIdx.x; r < world; r += blockDim.x) {
-        remote_st64(count_flag(s_peer[r], world, CH_TO_DEST, rank, epoch), tagged_word(static_cast<u32>(count), epoch), r);
+        remote_st64_release(count_flag(s_peer[r], world, CH_TO_DEST, rank, epoch),
+                            tagged_word(static_cast<u32>(count), epoch), r);
     }
 }
 
@@ -627,13 +695,23 @@ struct Call {
 };
 
 // Block-wide start of every kernel: the peer base addresses into shared memory s_peer [world]
-// (visible to every thread on return) and this call's epoch on `channel`. With two slab copies a
-// kernel that ends the call (`ends_call`) counts its blocks in at state[STATE_DONE + slot] once
-// every thread of the block has read the epoch, so end_call finds the last block without a
-// counter on its own path (the atomic's latency hides behind the kernel's work).
-__device__ __forceinline__ Call begin_call(i64* s_peer, const i64* peers, int world, u64* state, int channel,
-                                           bool ends_call, int slot, i64 copy_stride) {
+// (visible to every thread on return), the block's FaultScope (and whether the group's abort word
+// is raised: the call is then invalid, its status says so, and its waits give up at once), and
+// this call's epoch on `channel`. With two slab copies a kernel that ends the call (`ends_call`)
+// counts its blocks in at state[STATE_DONE + slot] once every thread of the block has read the
+// epoch, so end_call finds the last block without a counter on its own path (the atomic's latency
+// hides behind the kernel's work).
+__device__ __forceinline__ Call begin_call(i64* s_peer, const i64* peers, int rank, int world, u64* state, i64* status,
+                                           int channel, bool ends_call, int slot, i64 copy_stride) {
     for (int p = threadIdx.x; p < world; p += blockDim.x) s_peer[p] = peers[p];
+    if (threadIdx.x == 0) {
+        s_fault.peers = s_peer;
+        s_fault.own_abort = abort_word(peers[rank], world);
+        s_fault.status = status;
+        s_fault.rank = rank;
+        s_fault.world = world;
+        s_fault.aborted = abort_seen(status);
+    }
     Call call;
     call.epoch = state[STATE_EPOCH + channel] + 1;
     call.blocks_before = 0;
@@ -653,6 +731,11 @@ __device__ __forceinline__ Call begin_call(i64* s_peer, const i64* peers, int wo
 // before counting itself in, and the next kernel on the stream starts after this one ends.
 __device__ __forceinline__ void end_call(const Call& call, u64* state, int slot, const i64* s_peer, int rank,
                                          int world, int channel, i64 copy_stride) {
+    // A peer that failed raised the abort word before it signalled anything its failed wait left
+    // unfinished, and this block acquired every signal it used: a word raised by then is visible here,
+    // so a call that consumed such data has it in its status even if every wait of it was met at once.
+    __syncthreads();
+    if (threadIdx.x == 0) abort_seen(s_fault.status);
     if (acks_needed(copy_stride)) {
         if (last_block_done(state + STATE_DONE + slot, gridDim.x)) {
             signal_every_rank(s_peer, rank, world, channel, FLAG_ACK, call.epoch);

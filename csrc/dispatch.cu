@@ -396,7 +396,8 @@ __device__ __forceinline__ void dispatch_call(DISPATCH_PARAMS) {
     extern __shared__ i32 smem[];
     __shared__ i64 s_peer[MAX_WORLD];
     __shared__ RowBatch batch;
-    const Call call = begin_call(s_peer, peers, world, state, CH_TO_DEST, true, SLOT_DISPATCH_EXPAND, copy_stride);
+    const Call call = begin_call(s_peer, peers, rank, world, state, status,
+                                 CH_TO_DEST, true, SLOT_DISPATCH_EXPAND, copy_stride);
     const u64 epoch = call.epoch;
     zero_next_call_tickets(state, epoch);
     off_meta += slab_copy(epoch, copy_stride);
@@ -561,7 +562,8 @@ extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) redispatch(
     const u8* __restrict__ send_mask, const i32* __restrict__ recv_pos, void* __restrict__ out_x) {
     __shared__ i64 s_peer[MAX_WORLD];
     __shared__ RowBatch batch;
-    const Call call = begin_call(s_peer, peers, world, state, CH_TO_DEST, true, SLOT_DISPATCH_EXPAND, copy_stride);
+    const Call call = begin_call(s_peer, peers, rank, world, state, status,
+                                 CH_TO_DEST, true, SLOT_DISPATCH_EXPAND, copy_stride);
     const u64 epoch = call.epoch;
     zero_next_call_tickets(state, epoch);
     off_recv_x += slab_copy(epoch, copy_stride);

@@ -15,6 +15,7 @@ from .errors import (
     CompileError,
     ConfigError,
     DeviceStatusError,
+    GroupFailedError,
     InputError,
     MoeCommError,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "CompileError",
     "CommTimeoutError",
     "DeviceStatusError",
+    "GroupFailedError",
 ]
 
 __version__ = "0.1.0"

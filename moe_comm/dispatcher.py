@@ -17,7 +17,7 @@ from .autograd import combine_with_grad, dispatch_with_grad, straight_through_ro
 from .backends import host_identity, resolve_backend
 from .config import Config
 from .fp8_codec import Fp8Codec
-from .errors import ConfigError, DeviceStatusError, InputError, MoeCommError
+from .errors import ConfigError, DeviceStatusError, GroupFailedError, InputError, MoeCommError
 
 __all__ = ["Dispatcher", "DispatchOutput", "DispatchHandle"]
 
@@ -158,6 +158,9 @@ class Dispatcher:
         self._fp8 = Fp8Codec(config, self.device) if config.dispatch_dtype is not None else None
         ops.register_backend(self._id, self._backend, self._fp8)
         self._closed = False
+        # What check() found when the group's calls went out of step (a timeout, an abort); every call
+        # raises it until reset().
+        self._failure: Optional[str] = None
 
     def _check_same_config(self) -> list[tuple[str, str]]:
         """Compare the configs of all ranks (one gather); returns every rank's host identity.
@@ -184,6 +187,11 @@ class Dispatcher:
     def _live_backend(self):
         if self._closed:
             raise MoeCommError("this Dispatcher is closed; build a new one")
+        if self._failure is not None:
+            raise GroupFailedError(
+                f"rank {self.rank}: this Dispatcher's calls are out of step since an earlier failure ({self._failure}); "
+                "call reset() on every rank (collective) or build a new Dispatcher"
+            )
         if self.config.check_every_step and torch.compiler.is_compiling():
             raise ConfigError(
                 "config key 'check_every_step' is true, but this call is being compiled by torch.compile, whose graphs "
@@ -277,6 +285,34 @@ class Dispatcher:
         return DispatchOutput(out_x, result.expert_offsets, result.tokens_per_expert, handle, out_scales,
                               quantized_from)
 
+    def split_batch(self, *tensors: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+        """Row slices of ``tensors`` (each ``[T, ...]``, same ``T``) for one dispatch/combine call each,
+        as many on every rank: ``[(tensors[0][a:b], tensors[1][a:b], ...), ...]``.
+
+        Calls pair up across ranks by their order, so a batch of more than ``max_tokens_per_rank``
+        tokens must become as many calls on every rank, however many tokens each rank has (batches
+        differ in size between ranks all the time). Every rank makes ``max over ranks of
+        ceil(T / max_tokens_per_rank)`` calls (at least one): slices of ``max_tokens_per_rank`` rows,
+        then empty ones. The count is agreed in one small all-reduce over the group (a host sync on
+        an NCCL group). Under CUDA graph capture and torch.compile shapes are static and no host
+        collective may run: there the count is this rank's own, and every rank must pass as many
+        tokens (a mismatch then times out and is reported on every rank by :meth:`check`).
+        """
+        num_tokens = tensors[0].shape[0]
+        size = self.config.max_tokens_per_rank
+        num_calls = max(1, -(-num_tokens // size))
+        if self.world_size > 1 and not torch.compiler.is_compiling() and not self._capturing():
+            num_calls = self._agree_max(num_calls)
+        pieces = list(zip(*(tensor.split(size) for tensor in tensors))) if num_tokens else []
+        return pieces + [tuple(tensor[:0] for tensor in tensors)] * (num_calls - len(pieces))
+
+    def _agree_max(self, value: int) -> int:
+        """The largest of every rank's ``value`` (one all-reduce over the group, on the device it serves)."""
+        on_cpu = "gloo" in str(dist.get_backend(self.group))
+        tensor = torch.tensor([value], dtype=torch.int64, device="cpu" if on_cpu else self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+        return int(tensor.item())
+
     def dequantize(self, out: DispatchOutput) -> torch.Tensor:
         """The rows of a dispatch output in the config dtype: ``[capacity_rows, H]``.
 
@@ -362,6 +398,11 @@ class Dispatcher:
 
         Faults: expert ids outside ``[0, num_experts)`` other than -1, assignments dropped over
         ``expert_capacity``, and waits on a peer that ran past ``timeout_s``. A host sync.
+
+        A timeout on any rank is the whole group's failure: the rank that timed out raises the group's
+        abort word, every call of every rank then gives up its waits at once, and ``check()`` raises
+        :class:`GroupFailedError` on every rank that made such a call; from then on every call on
+        this Dispatcher raises at once, until :meth:`reset` (collective) or a new Dispatcher.
         """
         report = self.read_status()
         if report.ok:
@@ -380,6 +421,11 @@ class Dispatcher:
                 f"rank {self.rank} timed out after {self.config.timeout_s} s in {report.timeout_phase} "
                 f"({peer}); results of that step are invalid"
             )
+        if report.abort is not None and not report.timeout_phase:
+            problems.append(
+                f"rank {self.rank}'s calls were aborted because {report.abort.describe()}; results of this rank's "
+                "calls since then are invalid"
+            )
         if report.num_invalid:
             problems.append(
                 f"{report.num_invalid} expert id(s) outside [0, {self.config.num_experts}) and not -1 "
@@ -390,7 +436,34 @@ class Dispatcher:
                 f"{report.num_dropped} assignment(s) dropped over expert_capacity={self.config.expert_capacity} "
                 f"on rank {self.rank} ({first('from rank', report.first_dropped, report.first_dropped_call)})"
             )
+        if report.broken:
+            self._failure = "; ".join(problems[:1])
+            raise GroupFailedError(
+                "; ".join(problems) + "; every later call on this Dispatcher raises until reset() is called on every "
+                "rank (collective) or the Dispatcher is rebuilt"
+            )
         raise DeviceStatusError("; ".join(problems))
+
+    def reset(self) -> None:
+        """Collective: bring this Dispatcher back into step on every rank after a failure (see :meth:`check`).
+
+        Every rank of the group calls it (with the device free of this Dispatcher's work in flight:
+        the kernels' waits are bounded, and end at once after a failure); it clears the status, the
+        abort word, every flag, epoch and counter of the protocol on every rank, so the next call
+        of every rank pairs with its peers' next call again. CUDA graphs captured before stay valid
+        (they read the epochs from device memory, which restart on every rank alike). Results of the
+        calls before the reset that ``check()`` reported are still invalid.
+
+        Raises:
+            BackendError: the backend cannot recover (the collective backends after a failed exchange:
+                their process group is out of step), or a rank failed to reset; rebuild then.
+        """
+        if self._closed:
+            raise MoeCommError("this Dispatcher is closed; build a new one")
+        if self._capturing():
+            raise MoeCommError("reset() synchronizes the device and the ranks; call it outside CUDA graph capture")
+        self._backend.reset()
+        self._failure = None
 
     def close(self) -> None:
         """Release every buffer and mapping; idempotent. The dispatcher cannot be used afterwards."""

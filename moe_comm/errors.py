@@ -16,6 +16,7 @@ __all__ = [
     "CompileError",
     "CommTimeoutError",
     "DeviceStatusError",
+    "GroupFailedError",
     "RankFailureError",
 ]
 
@@ -46,6 +47,14 @@ class CommTimeoutError(MoeCommError, TimeoutError):
 
 class DeviceStatusError(MoeCommError, RuntimeError):
     """The device status word recorded a fault (invalid expert id, dropped tokens, timeout)."""
+
+
+class GroupFailedError(DeviceStatusError):
+    """A rank of the group failed (a wait timed out, a peer died): the Dispatcher's calls are out of step.
+
+    Raised by ``Dispatcher.check()`` on every rank whose calls saw the failure, and at once by every
+    later call on that rank, until a collective ``Dispatcher.reset()`` (or a new Dispatcher).
+    """
 
 
 class RankFailureError(MoeCommError, RuntimeError):

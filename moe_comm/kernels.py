@@ -325,6 +325,12 @@ class DispatchKernels:
             (_I, _P, _I, _P, _P, _P),
         )
 
+    def clear_scratch(self) -> None:
+        """Zero the kernels' local scratch (block counts, barrier stamps), as at construction: a collective
+        reset restarts the epochs, and a barrier stamp of an older epoch would let a block pass early."""
+        self._block_counts.zero_()
+        self._barrier_flags.zero_()
+
     def _senders(self, num_tokens: int) -> int:
         """Blocks that push rows: at most ``num_sms``, no more than the tokens' units need."""
         return max(1, min(self._num_sms, _cdiv(num_tokens * self._send_parts, protocol.DISPATCH_THREADS // 32)))

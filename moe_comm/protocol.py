@@ -29,8 +29,11 @@ __all__ = [
     "STATUS_TIMEOUT_PEER",
     "STATUS_FIRST_INVALID_CALL",
     "STATUS_FIRST_DROPPED_CALL",
+    "STATUS_ABORT",
     "STATUS_FIELDS",
     "NO_OFFENDER",
+    "ABORT_RAISED",
+    "ABORT_NO_PEER",
     "CH_TO_DEST",
     "CH_TO_SOURCE",
     "CHANNELS",
@@ -73,9 +76,11 @@ __all__ = [
     "FP8_UNIT_VPL",
     "FP8_PACK_OWN_MAX_TOKENS",
     "LAYOUT_SHARED_LIMIT",
+    "AbortReport",
     "StatusReport",
     "SymmetricRegions",
     "cuda_header",
+    "decode_abort",
     "decode_status",
     "meta_words",
     "new_status",
@@ -95,8 +100,20 @@ STATUS_TIMEOUT_PHASE = 4   # phase code (TIMEOUT_*) of the first wait that timed
 STATUS_TIMEOUT_PEER = 5    # the peer that wait was waiting for
 STATUS_FIRST_INVALID_CALL = 6  # the call of the first invalid assignment
 STATUS_FIRST_DROPPED_CALL = 7  # the call of the first dropped assignment
-STATUS_FIELDS = 8
+STATUS_ABORT = 8           # the abort word a call of this rank found raised (0: none), see below
+STATUS_FIELDS = 9
 NO_OFFENDER = (1 << 63) - 1
+
+# ------------------------------------------------------------------------------------ the abort word
+
+# A failure is the whole group's: a rank whose wait runs past timeout_s raises the abort word, one
+# u64 after the flags of every rank's allocation (SymmetricRegions.abort_offset), in every rank's
+# memory and its own. From then on every kernel of every rank gives up its waits at once and records
+# the word in its status (STATUS_ABORT), so no call consumes a peer's data of another call, until a
+# collective Dispatcher.reset() clears it. The word: ABORT_RAISED | phase << 32 | waited-for peer << 16
+# (ABORT_NO_PEER: none) | the failing rank.
+ABORT_RAISED = 1 << 63
+ABORT_NO_PEER = 0xFFFF
 
 # ---------------------------------------------------------------------------- channels and flags
 
@@ -208,7 +225,9 @@ _HEADER_GROUPS = (
     ("Status word: int64 [STATUS_FIELDS]; the first-offender fields hold the smallest (rank << 32 | token)",
      ("STATUS_NUM_INVALID", "STATUS_FIRST_INVALID", "STATUS_NUM_DROPPED", "STATUS_FIRST_DROPPED",
       "STATUS_TIMEOUT_PHASE", "STATUS_TIMEOUT_PEER", "STATUS_FIRST_INVALID_CALL", "STATUS_FIRST_DROPPED_CALL",
-      "STATUS_FIELDS", "NO_OFFENDER")),
+      "STATUS_ABORT", "STATUS_FIELDS", "NO_OFFENDER")),
+    ("The abort word: ABORT_RAISED | phase << 32 | waited-for peer << 16 | failing rank",
+     ("ABORT_RAISED", "ABORT_NO_PEER")),
     ("Channels: CH_TO_DEST carries dispatch and redispatch, CH_TO_SOURCE combine and the values kernels",
      ("CH_TO_DEST", "CH_TO_SOURCE", "CHANNELS")),
     ("Flag kinds of flags[channel][kind][peer]; FLAG_CHUNK + c is chunk c of dispatch's rows",
@@ -238,7 +257,10 @@ _META_WORDS_C = "(4 * TOPK)"
 
 
 def _c_literal(value: int) -> str:
-    # Past int32 a literal needs the long long suffix to keep its type in every expression.
+    # Past int32 a literal needs the long long suffix to keep its type in every expression (past
+    # int64, the unsigned one: ABORT_RAISED is a u64 bit).
+    if value >= 2**63:
+        return f"{value}ULL"
     return f"{value}LL" if not -(2**31) <= value < 2**31 else str(value)
 
 
@@ -265,6 +287,34 @@ def cuda_header() -> str:
 
 
 @dataclass(frozen=True)
+class AbortReport:
+    """A raised abort word (see ``ABORT_RAISED``): which rank failed, in which phase, waiting for which peer.
+
+    failed_rank: the rank whose wait ran past ``timeout_s``. phase: that wait's name (``TIMEOUT_PHASES``).
+    peer: the rank it waited for, or None (a kernel's own blocks).
+    """
+
+    failed_rank: int
+    phase: str
+    peer: Optional[int]
+
+    def describe(self) -> str:
+        peer = "" if self.peer is None else f", waiting for rank {self.peer}"
+        return f"rank {self.failed_rank} timed out in {self.phase}{peer}"
+
+
+def decode_abort(word: int) -> Optional[AbortReport]:
+    """The report of an abort word (an int64 or u64 value as read on the host), None when it is not raised."""
+    word &= (1 << 64) - 1
+    if not word & ABORT_RAISED:
+        return None
+    phase = (word >> 32) & 0xFF
+    peer = (word >> 16) & 0xFFFF
+    return AbortReport(failed_rank=word & 0xFFFF, phase=TIMEOUT_PHASES.get(phase, f"phase {phase}"),
+                       peer=None if peer == ABORT_NO_PEER else peer)
+
+
+@dataclass(frozen=True)
 class StatusReport:
     """The device status word read on the host.
 
@@ -276,6 +326,8 @@ class StatusReport:
     first_dropped, first_dropped_call: as for the invalid ones.
     timeout_phase: name of the first wait that timed out, or None. timeout_peer: its peer
         (None also when the transport cannot tell which peer is missing: a collective with more than two ranks).
+    abort: the group's abort word as a call of this rank found it raised (a rank failed, possibly this
+        one), or None: calls since then gave up their waits and their results are invalid.
     """
 
     num_invalid: int
@@ -286,11 +338,17 @@ class StatusReport:
     first_dropped_call: Optional[int]
     timeout_phase: Optional[str]
     timeout_peer: Optional[int]
+    abort: Optional[AbortReport] = None
 
     @property
     def ok(self) -> bool:
         """True when nothing was recorded."""
-        return not (self.num_invalid or self.num_dropped or self.timeout_phase)
+        return not (self.num_invalid or self.num_dropped or self.timeout_phase or self.abort)
+
+    @property
+    def broken(self) -> bool:
+        """True when the group's calls are out of step (a timeout or an abort): only a reset or a rebuild helps."""
+        return bool(self.timeout_phase or self.abort)
 
 
 def _offender(key: int) -> Optional[tuple[int, int]]:
@@ -317,6 +375,7 @@ def decode_status(values: Sequence[int], warm_up_calls: int = 0) -> StatusReport
         first_dropped_call=_call(values[STATUS_FIRST_DROPPED_CALL]),
         timeout_phase=TIMEOUT_PHASES.get(phase, f"phase {phase}") if phase else None,
         timeout_peer=values[STATUS_TIMEOUT_PEER] if phase else None,
+        abort=decode_abort(values[STATUS_ABORT]),
     )
 
 
@@ -345,7 +404,7 @@ class SymmetricRegions:
     * ``flags``    u64 ``[CHANNELS][FLAG_KINDS][W]`` at offset 0: arrival (written by the sender),
       count (the sender's T, one word per epoch parity, tagged with the epoch), ack (written by the
       receiver into the sender's memory; used with one slab copy), then one per chunk of dispatch's
-      rows (chunk ``c`` of the sender's rows has landed).
+      rows (chunk ``c`` of the sender's rows has landed); then the abort word (u64 at ``abort_offset``).
     * ``slab_copies`` copies (one per epoch parity when 2) of the four receive slabs; the offsets
       below are copy 0's, copy 1's are ``copy_stride`` bytes further (``copy_stride`` 0: one copy).
       Epoch ``e`` reads and writes copy ``e & 1``.
@@ -375,6 +434,11 @@ class SymmetricRegions:
     stage_x_offset: int
     nbytes: int
 
+    @property
+    def abort_offset(self) -> int:
+        """Byte offset of the abort word (``ABORT_RAISED``): right after the flags (``abort_word`` in csrc/common.cuh)."""
+        return CHANNELS * FLAG_KINDS * self.world_size * 8
+
     @classmethod
     def plan(
         cls, world_size: int, max_tokens_per_rank: int, topk: int, row_bytes: int, *, put_transport: bool = False,
@@ -384,7 +448,7 @@ class SymmetricRegions:
             raise ValueError(f"slab_copies must be one of {SLAB_COPIES}, got {slab_copies!r}")
         words = meta_words(topk)
         slab_rows = world_size * max_tokens_per_rank
-        flags_bytes = _round_up(CHANNELS * FLAG_KINDS * world_size * 8, REGION_ALIGN)
+        flags_bytes = _round_up((CHANNELS * FLAG_KINDS * world_size + 1) * 8, REGION_ALIGN)  # + the abort word
         slabs = []
         offset = flags_bytes
         for size in (slab_rows * words * 4, slab_rows * topk * 4, slab_rows * row_bytes, slab_rows * row_bytes):

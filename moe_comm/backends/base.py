@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from .. import protocol
+from ..errors import BackendError
 from ..routing import Routing
 
 if TYPE_CHECKING:
@@ -99,6 +100,14 @@ class Backend(abc.ABC):
         default there is nothing to wait for here.
         """
         return None
+
+    def reset(self) -> None:
+        """Collective: bring every rank's protocol state back to that of a fresh backend after a failure.
+
+        Called by ``Dispatcher.reset`` on every rank. Backends that cannot recover raise
+        :class:`~moe_comm.errors.BackendError` saying what to rebuild.
+        """
+        raise BackendError(f"backend {self.name!r} cannot be reset after a failure: build a new Dispatcher")
 
     def close(self) -> None:
         """Release what the backend holds; idempotent."""

@@ -47,6 +47,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .. import protocol
+from ..agreement import agree
 from ..routing import (
     Routing,
     expand_rows,
@@ -143,6 +145,20 @@ class CollectiveBackend(Backend):
             if not torch.cuda.is_current_stream_capturing():
                 self._track(phase)
         return received
+
+    def reset(self) -> None:
+        """Collective: clear the status; after a failed exchange raise instead (the group must be rebuilt)."""
+        def local() -> None:
+            if self._failure is not None:
+                raise BackendError(
+                    f"backend {self.name!r} cannot be reset after a failed exchange ({self._failure}): its process "
+                    "group's collectives are out of step; build a new process group and Dispatcher"
+                )
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.status.copy_(protocol.new_status(self.device))
+
+        agree(self.group, local, error=BackendError, what="reset")
 
     def _raise_failed(self, phase: str, exc: RuntimeError) -> None:
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

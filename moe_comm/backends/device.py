@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import logging
 from typing import Any, Callable, Optional
 
@@ -35,6 +36,7 @@ from ..routing import Routing
 from ..config import Config
 from ..errors import BackendError
 from .base import Backend, DispatchResult
+from .concurrency import SmLedger
 
 __all__ = ["DeviceBackend"]
 
@@ -42,6 +44,7 @@ _log = logging.getLogger("moe_comm")
 
 
 _PIECE_WORDS = 32  # every piece of a packed allocation starts on a 128-byte line
+_backend_numbers = itertools.count(1)  # names the backends in the errors of SmLedger
 
 
 class PackedRouting:
@@ -181,6 +184,7 @@ class DeviceBackend(Backend):
         self.dtype = config.torch_dtype
         self._memory = None
         self._closed = False
+        self._ledger: Optional[SmLedger] = None
         self._put_transport = put_transport
         self._fp8_row_bytes = fp8.packed_row_bytes(config.hidden)  # FP8 dispatch's rows (eager calls: host-bound)
         self._check_sizes()
@@ -199,6 +203,10 @@ class DeviceBackend(Backend):
         except BaseException:
             self.close()
             raise
+        if self.world_size > 1:
+            # One rank's kernels wait for nobody else: only multi-rank calls in flight can deadlock.
+            self._ledger = SmLedger(device, self._grid_sms, self._device_sms,
+                                    f"Dispatcher #{next(_backend_numbers)} ({name}, sm_budget {config.sm_budget})")
 
     # ------------------------------------------------------------------ setup
 
@@ -241,6 +249,7 @@ class DeviceBackend(Backend):
         )
         device_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         grid_sms = device_sms if cfg.sm_budget is None else min(cfg.sm_budget, device_sms)
+        self._device_sms, self._grid_sms = device_sms, grid_sms
 
         def dispatch_kernels(row_defines: dict, regions: protocol.SymmetricRegions) -> kernels.DispatchKernels:
             return kernels.DispatchKernels(
@@ -302,6 +311,8 @@ class DeviceBackend(Backend):
         self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *, separate_outputs: bool = False,
         quantize: bool = False, x_scales: Optional[torch.Tensor] = None,
     ) -> DispatchResult:
+        if self._ledger is not None:
+            self._ledger.note_call()
         cfg = self.config
         device = self.device
         num_tokens = x.shape[0]
@@ -321,21 +332,59 @@ class DeviceBackend(Backend):
         return DispatchResult(out_x, expert_offsets, tokens_per_expert, routing)
 
     def redispatch(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        if self._ledger is not None:
+            self._ledger.note_call()
         out = kernels.empty_rows(self.capacity_rows, self.config.hidden, self.dtype, self.device)
         self._dispatch_kernels.redispatch(x, _addresses(routing), out)
         return out
 
     def combine(self, y: torch.Tensor, routing: Routing, weighted: bool = True) -> torch.Tensor:
+        if self._ledger is not None:
+            self._ledger.note_call()
         z = kernels.empty_rows(routing.num_tokens, self.config.hidden, self.dtype, self.device)
         self._combine_kernels.combine(y, _addresses(routing), weighted, z)
         return z
 
     def return_entry_values(self, row_vector: torch.Tensor, routing: Routing) -> torch.Tensor:
+        if self._ledger is not None:
+            self._ledger.note_call()
         out = kernels.empty_rows(routing.num_tokens, self.config.topk, torch.float32, self.device)
         k, addresses = self._combine_kernels, _addresses(routing)
         k.values_send(row_vector.contiguous(), addresses)
         k.values_recv(addresses, out)
         return out
+
+    # ------------------------------------------------------------------ failures
+
+    def reset(self) -> None:
+        """Collective: every rank's symmetric allocation, state words, status and kernel scratch back to zeros.
+
+        Every rank first waits for its device (each wait in the kernels is bounded, and once the abort
+        word is raised they end at once), then the ranks meet, each zeroes its own memory (the flags,
+        the abort word and the tagged metadata words among it: a stale tag of an older call must not
+        match an epoch counted again from 1), and the ranks meet again before any of them may write a
+        peer's memory. CUDA graphs captured before stay valid: they hold addresses, and the epochs they
+        read live in the state words, which restart on every rank alike.
+
+        Raises:
+            BackendError: a rank failed to reset (every rank raises, naming it).
+        """
+        def settle() -> None:
+            torch.cuda.synchronize(self.device)
+
+        def clear() -> None:
+            words = self.regions.nbytes // 8
+            self._memory.tensor(self.rank, 0, (words,), torch.int64).zero_()
+            self._state.zero_()
+            self.status.copy_(protocol.new_status(self.device))
+            for launcher in (self._dispatch_kernels, self._fp8_dispatch_kernels):
+                if launcher is not None:
+                    launcher.clear_scratch()
+            torch.cuda.synchronize(self.device)
+
+        agree(self.group, settle, error=BackendError, what="reset: waiting for every rank's device")
+        # agree's exchange after clear() is the second meeting: no rank returns before every rank cleared.
+        agree(self.group, clear, error=BackendError, what="reset: clearing every rank's protocol state")
 
     # ------------------------------------------------------------------ lifetime
 
@@ -344,6 +393,8 @@ class DeviceBackend(Backend):
         if self._closed:
             return
         self._closed = True
+        if self._ledger is not None:
+            self._ledger.close()
         memory, self._memory = self._memory, None
         if memory is not None:
             memory.close()
