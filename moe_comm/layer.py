@@ -179,10 +179,11 @@ class MoELayer(nn.Module):
 
     Collective: every rank of the group builds it with the same arguments, in the same order,
     and calls ``forward`` (and ``backward``, and :meth:`update_expert_bias`) the same number of
-    times. A forward of ``T`` tokens makes ``ceil(T / max_tokens_per_rank)`` dispatch/combine
-    pairs, so the ranks must pass batches that give the same count (the same batch shape, as
-    data-parallel training does); a rank making fewer calls leaves its peers waiting until
-    ``timeout_s``.
+    times. A forward of ``T`` tokens makes ``max over ranks of ceil(T / max_tokens_per_rank)``
+    dispatch/combine pairs on every rank (:meth:`Dispatcher.split_batch`), so ranks may pass batches
+    of different sizes; under CUDA graph capture and torch.compile the count is the rank's own, and
+    every rank must pass as many tokens (a rank making fewer calls leaves its peers waiting until
+    ``timeout_s``, reported on every rank).
 
     CUDA graphs: forward, and forward + backward, can be captured (e.g. a whole training step,
     or one decode step per batch size; several graphs may share the layer and its dispatcher).
@@ -426,8 +427,9 @@ class MoELayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., H]`` (config dtype, on the dispatcher's device) -> ``[..., H]``.
 
-        Any number of tokens: more than ``max_tokens_per_rank`` go in batch slices of that many (every
-        rank must make as many slices, see the class docstring); routing and the balancing losses
+        Any number of tokens: more than ``max_tokens_per_rank`` go in batch slices of that many, as many
+        on every rank (:meth:`Dispatcher.split_batch`: ranks with fewer tokens add empty calls; one small
+        all-reduce agrees on the count in eager mode); routing and the balancing losses
         cover the whole batch. The sequence-wise loss takes sequences along dim -2 of a
         ``[..., S, H]`` input (a ``[T, H]`` input is one sequence).
         """
@@ -444,10 +446,9 @@ class MoELayer(nn.Module):
             self._balance(routed, max(x.shape[-2], 1) if x.dim() >= 3 else max(tokens.shape[0], 1))
         else:
             self.aux_loss, self.aux_losses = None, {}
-        # Batch slices of max_tokens_per_rank: the count comes from the static shape, never from a device value.
-        size = self.config.max_tokens_per_rank
+        # Batch slices of max_tokens_per_rank, as many on every rank (Dispatcher.split_batch).
         pieces = [self._dispatch_experts_combine(*parts)
-                  for parts in zip(tokens.split(size), topk_idx.split(size), topk_weights.split(size))]
+                  for parts in self.dispatcher.split_batch(tokens, topk_idx, topk_weights)]
         z = pieces[0][0] if len(pieces) == 1 else torch.cat([piece for piece, _ in pieces])
         counts = [count for _, count in pieces]
         self.last_tokens_per_expert = sum(counts[1:], counts[0])

@@ -159,7 +159,7 @@ def _moe_comm_experts_forward(
     """The ``"moe_comm"`` experts implementation: ``[T, H]`` -> dispatch -> local experts -> combine -> ``[T, H]``.
 
     More than ``max_tokens_per_rank`` tokens go in batch slices of that many (one dispatch/combine
-    pair each; every rank must make as many, as with :class:`moe_comm.MoELayer`).
+    pair each), as many on every rank (:meth:`moe_comm.Dispatcher.split_batch`).
     """
     dispatcher: Dispatcher = self._moe_comm_dispatcher
     if hidden_states.dtype != dispatcher.config.torch_dtype:
@@ -168,10 +168,8 @@ def _moe_comm_experts_forward(
                          f"pass expert_parallel(..., dtype=...) with the dtype it will run in")
     check_padding_for_gradients(dispatcher.config, self.parameters(), f"{type(self).__name__} (moe_comm experts)")
     grouped = resolve_expert_impl(dispatcher.config, hidden_states.device, _ffn_hidden(self)) == "grouped_mm"
-    size = dispatcher.config.max_tokens_per_rank
     pieces = []
-    for tokens, topk_idx, topk_weights in zip(hidden_states.split(size), top_k_index.split(size),
-                                              top_k_weights.split(size)):
+    for tokens, topk_idx, topk_weights in dispatcher.split_batch(hidden_states, top_k_index, top_k_weights):
         out = dispatcher.dispatch(tokens.contiguous(), topk_idx.contiguous(), topk_weights.float().contiguous())
         # FP8 dispatch (dispatch_dtype): the experts run on the dequantized rows (differentiable straight through).
         rows = _local_experts(self, dispatcher.dequantize(out), out.expert_offsets, grouped)
