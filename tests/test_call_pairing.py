@@ -1,0 +1,119 @@
+"""Calls pair up across ranks: uneven batches make as many calls on every rank, and a failure is the group's.
+
+The CPU half of issue #54 on the ``reference`` backend (gloo, two ranks): batches of different sizes
+per rank through two ``MoELayer``s sharing one Dispatcher and through a transformers model made
+expert-parallel (before ``Dispatcher.split_batch`` the rank with fewer slices paired its next
+layer's call with its peer's second slice and returned wrong numbers with no error); and the
+Dispatcher's failure latch: a status that says the group's calls were aborted makes ``check()``
+raise, every later call raise at once, and a collective ``reset()`` bring the ranks back in step.
+``tests/test_gpu_faults.py`` runs the device kernels' side (the abort word) on the GPU backends.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moe_comm
+from layer_checks import BASE, TOLERANCE, layer_errors
+from moe_comm import protocol
+from multirank import run_ranks
+
+
+def _uneven_layers(rank: int, world: int) -> dict:
+    cfg = moe_comm.load_config(None, backend="reference", dtype="float32", **BASE)
+    # max_tokens_per_rank 16: rank 0's 10 tokens are one call per layer, rank 1's 3 x 13 = 39 three.
+    shape = (10,) if rank == 0 else (3, 13)
+    with moe_comm.Dispatcher(cfg) as disp:
+        return layer_errors(disp, rank, world, None, shape, num_layers=2)
+
+
+def test_layers_with_uneven_batches_match_the_dense_reference():
+    for errors in run_ranks(_uneven_layers, 2, timeout_s=120):
+        worst = {name: value for name, value in errors.items() if value > TOLERANCE[torch.float32]}
+        assert not worst, worst
+
+
+def _split_counts(rank: int, world: int) -> list:
+    cfg = moe_comm.load_config(None, backend="reference", dtype="float32", **BASE)
+    size = cfg.max_tokens_per_rank
+    with moe_comm.Dispatcher(cfg) as disp:
+        tokens = (0, 2 * size + 1)[rank]  # rank 0 has nothing, rank 1 three slices' worth
+        x, idx = torch.randn(tokens, cfg.hidden), torch.zeros(tokens, cfg.topk, dtype=torch.int64)
+        pieces = disp.split_batch(x, idx)
+        assert all(len(piece) == 2 for piece in pieces)
+        assert torch.equal(torch.cat([p[0] for p in pieces]), x) and torch.equal(torch.cat([p[1] for p in pieces]), idx)
+        return [p[0].shape[0] for p in pieces]
+
+
+def test_split_batch_makes_as_many_calls_on_every_rank():
+    size = BASE["max_tokens_per_rank"]
+    assert run_ranks(_split_counts, 2, timeout_s=60) == [[0, 0, 0], [size, size, 1]]
+
+
+def _uneven_transformers(rank: int, world: int) -> dict:
+    from hf_models import build_model, compare_with_unmodified
+
+    # max_tokens_per_rank 64: rank 0's 2 x 16 tokens are one call per layer, rank 1's 2 x 40 two.
+    tokens = (2, 16) if rank == 0 else (2, 40)
+    errors = compare_with_unmodified(build_model("qwen3_moe"), rank, tokens, torch.device("cpu"), torch.float32,
+                                     backend="reference", max_tokens_per_rank=64)
+    return {"logits": errors["logits"], "grads": errors["grads"][0]}
+
+
+def test_transformers_model_with_uneven_batches_matches_the_unmodified_model():
+    pytest.importorskip("transformers")
+    for errors in run_ranks(_uneven_transformers, 2, timeout_s=180):
+        assert errors["logits"] < 1e-5 and errors["grads"] < 1e-4, errors
+
+
+def _failure_latch_and_reset(rank: int, world: int) -> str:
+    cfg = moe_comm.load_config(None, backend="reference", dtype="float32", **BASE)
+    generator = torch.Generator().manual_seed(rank)
+    x = torch.randn(6, cfg.hidden, generator=generator)
+    idx = torch.randint(0, cfg.num_experts, (6, cfg.topk), generator=generator)
+    w = torch.rand(6, cfg.topk, generator=generator)
+    with moe_comm.Dispatcher(cfg) as disp:
+        out = disp.dispatch(x, idx, w)
+        want = disp.combine(out.x, out.handle)
+        disp.check()
+        if rank == 1:
+            # What the device kernels record when they find the group's abort word raised: rank 0 timed
+            # out in dispatch waiting for rank 1 (the reference backend's status word is the same).
+            word = protocol.ABORT_RAISED | protocol.TIMEOUT_TO_DEST_ARRIVAL << 32 | 1 << 16 | 0
+            disp._backend.status[protocol.STATUS_ABORT] = word - (1 << 64)  # the int64 the kernels store
+            with pytest.raises(moe_comm.GroupFailedError,
+                               match=r"rank 1's calls were aborted because rank 0 timed out in dispatch: waiting for "
+                                     r"a peer's tokens, waiting for rank 1; .*until reset\(\)"):
+                disp.check()
+            # Every later call raises at once, before any exchange, saying how to recover.
+            with pytest.raises(moe_comm.GroupFailedError, match="out of step since an earlier failure.*reset()"):
+                disp.dispatch(x, idx, w)
+            with pytest.raises(moe_comm.GroupFailedError, match="out of step"):
+                disp.combine(out.x, out.handle)
+        disp.reset()  # collective: both ranks
+        assert disp.read_status().ok
+        again = disp.dispatch(x, idx, w)
+        assert torch.equal(disp.combine(again.x, again.handle), want)
+        disp.check()
+    return "ok"
+
+
+def test_a_group_failure_latches_until_a_collective_reset():
+    assert run_ranks(_failure_latch_and_reset, 2, timeout_s=60) == ["ok", "ok"]
+
+
+def test_abort_word_decoding():
+    word = protocol.ABORT_RAISED | protocol.TIMEOUT_TO_SOURCE_ARRIVAL << 32 | protocol.ABORT_NO_PEER << 16 | 5
+    report = protocol.decode_abort(word - (1 << 64))  # as an int64 status field reads on the host
+    assert report == protocol.AbortReport(failed_rank=5, phase=protocol.TIMEOUT_PHASES[4], peer=None)
+    assert protocol.decode_abort(0) is None
+    values = [0] * protocol.STATUS_FIELDS
+    values[protocol.STATUS_ABORT] = word
+    status = protocol.decode_status(values)
+    assert not status.ok and status.broken and status.abort.failed_rank == 5
+    # The abort word sits right after the flags, inside the flags region, before every slab.
+    for world in (1, 2, 8, 64):
+        regions = protocol.SymmetricRegions.plan(world, 16, 2, 64)
+        assert regions.abort_offset == protocol.CHANNELS * protocol.FLAG_KINDS * world * 8
+        assert regions.abort_offset + 8 <= regions.meta_offset
