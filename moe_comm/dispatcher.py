@@ -438,6 +438,9 @@ class Dispatcher:
             )
         if report.broken:
             self._failure = "; ".join(problems[:1])
+            hint = self._backend.crowding_hint()
+            if hint is not None:
+                problems.append(f"a likely cause: {hint}")
             raise GroupFailedError(
                 "; ".join(problems) + "; every later call on this Dispatcher raises until reset() is called on every "
                 "rank (collective) or the Dispatcher is rebuilt"

@@ -101,6 +101,13 @@ class Backend(abc.ABC):
         """
         return None
 
+    def crowding_hint(self) -> Optional[str]:
+        """Why this backend's kernels may not all have been resident (another backend on its GPU), or None.
+
+        Added to the error of a timeout: it names a likely cause the host cannot check per call.
+        """
+        return None
+
     def reset(self) -> None:
         """Collective: bring every rank's protocol state back to that of a fresh backend after a failure.
 

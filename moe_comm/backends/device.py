@@ -311,8 +311,6 @@ class DeviceBackend(Backend):
         self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *, separate_outputs: bool = False,
         quantize: bool = False, x_scales: Optional[torch.Tensor] = None,
     ) -> DispatchResult:
-        if self._ledger is not None:
-            self._ledger.note_call()
         cfg = self.config
         device = self.device
         num_tokens = x.shape[0]
@@ -332,22 +330,16 @@ class DeviceBackend(Backend):
         return DispatchResult(out_x, expert_offsets, tokens_per_expert, routing)
 
     def redispatch(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        if self._ledger is not None:
-            self._ledger.note_call()
         out = kernels.empty_rows(self.capacity_rows, self.config.hidden, self.dtype, self.device)
         self._dispatch_kernels.redispatch(x, _addresses(routing), out)
         return out
 
     def combine(self, y: torch.Tensor, routing: Routing, weighted: bool = True) -> torch.Tensor:
-        if self._ledger is not None:
-            self._ledger.note_call()
         z = kernels.empty_rows(routing.num_tokens, self.config.hidden, self.dtype, self.device)
         self._combine_kernels.combine(y, _addresses(routing), weighted, z)
         return z
 
     def return_entry_values(self, row_vector: torch.Tensor, routing: Routing) -> torch.Tensor:
-        if self._ledger is not None:
-            self._ledger.note_call()
         out = kernels.empty_rows(routing.num_tokens, self.config.topk, torch.float32, self.device)
         k, addresses = self._combine_kernels, _addresses(routing)
         k.values_send(row_vector.contiguous(), addresses)
@@ -355,6 +347,9 @@ class DeviceBackend(Backend):
         return out
 
     # ------------------------------------------------------------------ failures
+
+    def crowding_hint(self) -> Optional[str]:
+        return None if self._ledger is None else self._ledger.crowding()
 
     def reset(self) -> None:
         """Collective: every rank's symmetric allocation, state words, status and kernel scratch back to zeros.
