@@ -156,3 +156,23 @@ def test_a_lock_held_past_the_bound_raises_instead_of_waiting_forever(tmp_path, 
     assert not thread.is_alive(), "the build waited on the lock past 10 s"
     assert len(outcome) == 1 and isinstance(outcome[0], CommTimeoutError), outcome
     assert ".lock" in str(outcome[0]) and time.monotonic() - started < 5.0
+
+
+def _rendezvous_store(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    directory = os.stat(os.path.dirname(store.path)) if isinstance(store, dist.FileStore) else None
+    return {"store": type(store).__name__, "dir_uid": directory and directory.st_uid,
+            "dir_mode": directory and stat.S_IMODE(directory.st_mode)}
+
+
+def test_the_launchers_store_is_a_file_only_this_user_can_reach():
+    """No TCP store that any local user (or another host) could list, write or feed pickles through:
+    the ranks meet in a FileStore in a 0700 directory of this user."""
+    from multirank import run_ranks
+
+    for report in run_ranks(_rendezvous_store, 2, timeout_s=60):
+        assert report == {"store": "FileStore", "dir_uid": os.geteuid(), "dir_mode": 0o700}, report
