@@ -176,3 +176,16 @@ def test_the_launchers_store_is_a_file_only_this_user_can_reach():
 
     for report in run_ranks(_rendezvous_store, 2, timeout_s=60):
         assert report == {"store": "FileStore", "dir_uid": os.geteuid(), "dir_mode": 0o700}, report
+
+
+def test_python_releases_whose_forkserver_other_users_reach_are_excluded():
+    """The launcher forces the forkserver start method; 3.10.0-3.10.8 and 3.11.0 listened for it on an
+    abstract socket any local user could connect to and have code run as this user."""
+    tomllib = pytest.importorskip("tomllib")
+    specifiers = pytest.importorskip("packaging.specifiers")
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    allowed = specifiers.SpecifierSet(project["requires-python"])
+    assert [v for v in ("3.10.0", "3.10.8", "3.11.0") if v in allowed] == []
+    assert all(v in allowed for v in ("3.10.9", "3.11.1", "3.12.0", "3.13.0"))
