@@ -485,7 +485,8 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str):
     known = {f.name: f for f in fields(cls)}
     for key in data:
         if key not in known:
-            raise ConfigError(f"config key {_short(prefix + str(key))} is unknown; known keys: {', '.join(sorted(known))}")
+            raise ConfigError(f"config key {_short(prefix + str(key))} is unknown; "
+                              f"known keys: {', '.join(sorted(known))}")
     values = {}
     for key, value in data.items():
         section = _SECTIONS.get(key) if cls is Config else None

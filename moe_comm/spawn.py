@@ -356,7 +356,7 @@ def _wait_for_exits(outcome: _Outcome, processes: list[ForkServerProcess], run_d
 
 
 def _clean_up(processes: list[ForkServerProcess], readers: list[Connection], run_dir: str) -> None:
-    """Kill and reap whatever still runs, close the pipes and remove the stack dumps (always runs)."""
+    """Kill and reap whatever still runs, close the pipes and remove the run directory (always runs)."""
     for process in processes:
         if process.is_alive():
             process.kill()
@@ -471,7 +471,7 @@ class _Ranks:
         return outcome
 
     def clean_up(self) -> None:
-        """Kill and reap whatever still runs, close every pipe, remove the stack dumps (idempotent)."""
+        """Kill and reap whatever still runs, close every pipe, remove the run directory (idempotent)."""
         for tasks in self.tasks:
             if tasks is not None:
                 tasks.close()
