@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import BackendError
-from .symm.torch_symm import _select_provider, _size_nvshmem_heap, _symm_mem
+from .symm.torch_symm import _nvshmem_heap_size, _select_provider, _symm_mem
 
 __all__ = ["HostSplitAllToAll", "PaddedAllToAll", "SymmMemAllToAll2d"]
 
@@ -257,21 +257,21 @@ class SymmMemAllToAll2d(_AllToAllBaseline):
         num_splits = self.world_size * self.num_chunks
         payload = self._row_bytes + self._ID_BYTES
         nbytes = (self.max_rows + recv_rows) * (payload + self._row_bytes) + 5 * num_splits * 8
-        self._group_name = self._open_symmetric_memory(nbytes)
-        self._send = self._empty((self.max_rows, payload), torch.uint8)
-        self._recv = self._empty((recv_rows, payload), torch.uint8)
-        self._in_splits = self._empty((num_splits,), torch.int64)
-        self._out_splits_offsets = self._empty((2, num_splits), torch.int64)
-        self._back_in = self._empty((recv_rows, hidden), dtype)
-        self._back_out = self._empty((self.max_rows, hidden), dtype)
-        self._back_splits_offsets = self._empty((2, num_splits), torch.int64)
+        self._group_name = self._open_symmetric_memory()
+        with _nvshmem_heap_size(nbytes, None):  # the first allocation starts NVSHMEM
+            self._send = self._empty((self.max_rows, payload), torch.uint8)
+            self._recv = self._empty((recv_rows, payload), torch.uint8)
+            self._in_splits = self._empty((num_splits,), torch.int64)
+            self._out_splits_offsets = self._empty((2, num_splits), torch.int64)
+            self._back_in = self._empty((recv_rows, hidden), dtype)
+            self._back_out = self._empty((self.max_rows, hidden), dtype)
+            self._back_splits_offsets = self._empty((2, num_splits), torch.int64)
 
-    def _open_symmetric_memory(self, nbytes: int) -> str:
-        """Pick torch's NVSHMEM allocator and size its heap for ``nbytes``; returns the group name."""
+    def _open_symmetric_memory(self) -> str:
+        """Pick torch's NVSHMEM allocator; returns the group name."""
         self._symm_mem = _symm_mem()
         with torch.cuda.device(self.device):
             _select_provider(self._symm_mem, "NVSHMEM")
-        _size_nvshmem_heap(nbytes, None)
         return (self.group if self.group is not None else dist.group.WORLD).group_name
 
     def _empty(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor:

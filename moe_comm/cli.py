@@ -387,6 +387,19 @@ def _positive(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    """A positive, finite number of seconds (``nan`` and ``inf`` parse as floats: refused here, not in a traceback)."""
+    from .config import MAX_TIMEOUT_S
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0 < value <= MAX_TIMEOUT_S:  # also false for nan
+        raise argparse.ArgumentTypeError(f"expected seconds > 0 and at most {MAX_TIMEOUT_S:g}, got {text!r}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     import torch
 
@@ -420,7 +433,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--tokens", type=_positive, help="tokens per rank per step (default: max_tokens_per_rank)")
     run.add_argument("--ffn-hidden", type=_positive, help="each expert's intermediate width (default: about hidden/2)")
     run.add_argument("--seed", type=int, default=0, help="seed of weights and tokens (default 0)")
-    run.add_argument("--timeout", type=float, default=600.0,
+    run.add_argument("--timeout", type=_seconds, default=600.0,
                      help="seconds before hung ranks are killed and reported (default 600)")
     run.set_defaults(func=_cmd_run)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import reprlib
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, Optional, Union
 
@@ -46,8 +47,32 @@ ROUTER_SCORES = ("softmax", "sigmoid")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
+# The largest value of a key that reaches an int32 kernel parameter, and of a row count the kernels index.
+INT32_MAX = 2**31 - 1
+# The longest timeout_s: the kernels wait timeout_s * 1e9 ns in int64 arithmetic (also as clock
+# cycles, a few per ns); 1e6 s (11.6 days) is far from a wrap and far past any useful wait.
+MAX_TIMEOUT_S = 1e6
+# The most one rank may need at world 1 (one slab and one dispatch output), 1 TiB: more memory
+# than any single GPU has, so a config past it cannot run anywhere (a typo, not a wish).
+MAX_RANK_BYTES = 1 << 40
+
+# Values in error messages: a bounded repr (reprlib looks at a few items of a few levels), so a
+# huge value (a deeply nested list) cannot turn an error into gigabytes of text.
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel = 3
+_SHORT_CHARS = 120
+
+
+def _short(value: Any) -> str:
+    """``repr(value)`` in at most :data:`_SHORT_CHARS` characters (and no digit string of a huge int)."""
+    if isinstance(value, int) and value.bit_length() > 64:
+        return f"<an int of {value.bit_length()} bits>"
+    text = _SHORT.repr(value)
+    return text if len(text) <= _SHORT_CHARS else text[: _SHORT_CHARS - 3] + "..."
+
+
 def _fail(key: str, value: Any, allowed: str) -> ConfigError:
-    return ConfigError(f"config key '{key}': got {value!r}, expected {allowed}")
+    return ConfigError(f"config key '{key}': got {_short(value)}, expected {allowed}")
 
 
 def _check_choice(key: str, value: Any, choices: tuple) -> None:
@@ -55,16 +80,17 @@ def _check_choice(key: str, value: Any, choices: tuple) -> None:
         raise _fail(key, value, "one of " + ", ".join(repr(c) for c in choices))
 
 
-def _check_int(key: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+def _check_int(key: str, value: Any, minimum: int, maximum: int = INT32_MAX) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise _fail(key, value, f"an integer >= {minimum}")
-    if value < minimum:
-        raise _fail(key, value, f"an integer >= {minimum}")
+    if value > maximum:
+        raise _fail(key, value, f"an integer from {minimum} to {maximum}")
 
 
-def _check_float(key: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise _fail(key, value, "a positive number of seconds")
+def _check_seconds(key: str, value: Any) -> None:
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0
+            or value > MAX_TIMEOUT_S):
+        raise _fail(key, value, f"a positive number of seconds, at most {MAX_TIMEOUT_S:g}")
 
 
 def _check_number(key: str, value: Any, allowed: str, positive: bool) -> None:
@@ -111,7 +137,7 @@ class NvshmemConfig:
     def __post_init__(self) -> None:
         _check_choice("nvshmem.transport", self.transport, registry.transports("nvshmem"))
         if self.heap_size_mb is not None:
-            _check_int("nvshmem.heap_size_mb", self.heap_size_mb, 1)
+            _check_int("nvshmem.heap_size_mb", self.heap_size_mb, 1, MAX_RANK_BYTES >> 20)
 
 
 @dataclass(frozen=True)
@@ -332,13 +358,36 @@ class Config:
                 raise _fail("hidden", self.hidden, f"a multiple of {fp8.BLOCK} with dispatch_dtype "
                             f"{self.dispatch_dtype} (one scale per {fp8.BLOCK} channels)")
         _check_bool("dispatch_round_scale", self.dispatch_round_scale)
-        _check_float("timeout_s", self.timeout_s)
+        _check_seconds("timeout_s", self.timeout_s)
         if not isinstance(self.check_every_step, bool):
             raise _fail("check_every_step", self.check_every_step, "true or false")
         for name, cls in _SECTIONS.items():
             if not isinstance(getattr(self, name), cls):
                 raise _fail(name, getattr(self, name), f"a {cls.__name__}")
         self.router.check_experts(self.num_experts, self.topk)
+        self._check_rank_memory()
+
+    def _check_rank_memory(self) -> None:
+        """What one rank needs at world 1 (the least at any world size) must fit int32 row counts,
+        :data:`MAX_RANK_BYTES`, and the current CUDA device where this process already uses CUDA."""
+        rows = self.capacity_rows(1)
+        if self.max_tokens_per_rank * self.topk > INT32_MAX or rows > INT32_MAX:
+            raise _fail("max_tokens_per_rank", self.max_tokens_per_rank,
+                        f"a value whose assignments (times topk {self.topk}) and dispatch rows ({rows:,}) fit "
+                        f"the kernels' int32 counts (at most {INT32_MAX:,})")
+        from .footprint import footprint  # footprint builds on this module
+
+        least = footprint(self, 1, "reference")
+        need = least.slab_bytes + least.out_x_bytes
+        device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+        limit, where = MAX_RANK_BYTES, f"{MAX_RANK_BYTES:,} bytes, more than any GPU has"
+        if device is not None:
+            memory = torch.cuda.get_device_properties(device).total_memory
+            limit, where = min(limit, memory), f"the {memory:,} bytes of cuda:{device}"
+        if need > limit:
+            raise _fail("max_tokens_per_rank", self.max_tokens_per_rank,
+                        f"a size that fits one rank: with hidden {self.hidden} ({self.dtype}) one rank needs at least "
+                        f"{need:,} bytes (a [max_tokens_per_rank, hidden] slab and a dispatch output), over {where}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -354,6 +403,11 @@ class Config:
         if self.num_experts % world_size:
             raise _fail("num_experts", self.num_experts,
                         f"a multiple of the world size ({world_size}) so every rank holds the same number of experts")
+        rows = self.capacity_rows(world_size)
+        if rows > INT32_MAX:
+            raise _fail("max_tokens_per_rank", self.max_tokens_per_rank,
+                        f"a value whose dispatch output at {world_size} ranks ({rows:,} rows) fits the kernels' "
+                        f"int32 row counts (at most {INT32_MAX:,})")
 
     def capacity_rows(self, world_size: int) -> int:
         """Rows of the dispatch output ``out.x`` on every rank: room for every kept assignment plus alignment padding.
@@ -380,18 +434,40 @@ def default_config_text() -> str:
     return asset_dir("configs").joinpath("default.yaml").read_text(encoding="utf-8")
 
 
+class _AliasError(yaml.YAMLError):
+    """A config used a YAML anchor or alias."""
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` without anchors and aliases: a config needs none, and a few hundred bytes of
+    nested aliases expand to billions of values ("billion laughs")."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+            raise _AliasError(f"line {event.start_mark.line + 1}: YAML anchors and aliases (&name, *name) are not "
+                              "allowed in a moe_comm config; write each value out")
+        return super().compose_node(parent, index)
+
+
+def _parse_yaml(stream: Any) -> Any:
+    return yaml.load(stream, Loader=_NoAliasLoader)
+
+
 def _read_source(source: Union[None, str, os.PathLike, Mapping[str, Any]]) -> dict:
     if source is None:
-        data = yaml.safe_load(default_config_text())
+        data = _parse_yaml(default_config_text())
     elif isinstance(source, Mapping):
         data = dict(source)
     elif isinstance(source, (str, os.PathLike)):
         try:
             with open(source, encoding="utf-8") as handle:
-                data = yaml.safe_load(handle)
+                data = _parse_yaml(handle)
         except FileNotFoundError:
             raise ConfigError(f"config file {os.fspath(source)!r} does not exist") from None
-        except yaml.YAMLError as exc:
+        except _AliasError as exc:
+            raise ConfigError(f"config file {os.fspath(source)!r}, {exc}") from None
+        except (yaml.YAMLError, ValueError) as exc:  # ValueError: an int past Python's digit limit
             raise ConfigError(f"config file {os.fspath(source)!r} is not valid YAML: {exc}") from None
         if data is None:
             # An empty file is more often a mistake (a wrong path, a truncated write) than a wish for
@@ -409,7 +485,8 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str):
     known = {f.name: f for f in fields(cls)}
     for key in data:
         if key not in known:
-            raise ConfigError(f"config key '{prefix}{key}' is unknown; known keys: {', '.join(sorted(known))}")
+            raise ConfigError(f"config key {_short(prefix + str(key))} is unknown; "
+                              f"known keys: {', '.join(sorted(known))}")
     values = {}
     for key, value in data.items():
         section = _SECTIONS.get(key) if cls is Config else None

@@ -19,7 +19,7 @@ from typing import Any, Iterator, Optional, Sequence, Union
 import torch
 
 from .errors import BackendError, InputError
-from .jit import Defines, Toolchain, canonical_defines, compile_source
+from .jit import Defines, Toolchain, canonical_defines, compile_source, read_cubin
 from .kernel_params import KernelParams, kernel_params
 
 __all__ = [
@@ -248,7 +248,7 @@ def load_function(
     Raises:
         BackendError: called while the current stream is capturing a CUDA graph and the function
             is not cached yet (compiling and loading cannot be captured), or a driver call failed.
-        CompileError: as in :func:`moe_comm.jit.compile_source`.
+        CompileError, ConfigError: as in :func:`moe_comm.jit.compile_source` and :func:`moe_comm.jit.read_cubin`.
     """
     index = _device_index(device)
     key = (index, name, entry, canonical_defines(defines), source, toolchain)
@@ -271,7 +271,7 @@ def load_function(
             with device_context(index):
                 module = _modules.get((index, str(path)))
                 if module is None:
-                    module = cu_check(driver.cuModuleLoadData(path.read_bytes()), f"cuModuleLoadData({path.name})")
+                    module = cu_check(driver.cuModuleLoadData(read_cubin(path)), f"cuModuleLoadData({path.name})")
                     if toolchain.module_init is not None:
                         toolchain.module_init(module)
                     _modules[(index, str(path))] = module

@@ -23,8 +23,14 @@ Compile path and cache contract
 * :func:`compile_many` compiles independent builds (the kernel files of one config) at once,
   one thread each: NVRTC runs without the GIL.
 * A cubin is written to a temp file in the cache directory and moved into place with
-  ``os.replace``, under an exclusive ``fcntl.flock`` on ``<entry>.lock``; the entry is looked
-  for again after the lock is taken, so ranks racing on one kernel compile it once.
+  ``os.replace``, under an exclusive ``fcntl.flock`` on ``<entry>.lock`` (waited for at most
+  :data:`LOCK_WAIT_S`); the entry is looked for again after the lock is taken, so ranks racing on
+  one kernel compile it once.
+* Shared nodes: a cubin runs in the caller's CUDA context, so the cache only gives back what this
+  user wrote. The directory is created 0700 and refused (ConfigError naming it and
+  ``MOE_COMM_CACHE_DIR``) unless this user owns it and nobody else may write it; entries and locks
+  are opened relative to the checked directory's descriptor without following symlinks, checked
+  on their own descriptor (:mod:`moe_comm.private`) and read from it (:func:`read_cubin`).
 
 Default defines for :func:`compile_all`
 ---------------------------------------
@@ -41,7 +47,8 @@ import hashlib
 import json
 import os
 import re
-import tempfile
+import secrets
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,12 +56,15 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 from . import protocol
 from .assets import asset_dir
-from .errors import CompileError, InputError
+from .errors import CommTimeoutError, CompileError, InputError
+from .private import open_private_dir, open_private_file, read_private_file
 
 __all__ = [
     "Build",
     "CACHE_SCHEMA_VERSION",
     "Defines",
+    "LOCK_WAIT_S",
+    "MAX_CUBIN_BYTES",
     "MIN_ARCH",
     "Toolchain",
     "arch_capability",
@@ -64,6 +74,7 @@ __all__ = [
     "compile_many",
     "compile_source",
     "nvrtc_version",
+    "read_cubin",
 ]
 
 # Bump when the compile path changes in a way the key does not see (options layout, entry format).
@@ -78,6 +89,12 @@ _NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _DEFINES_LINE = "// moe_comm-defines:"
 # The header generated from moe_comm.protocol, included by csrc/common.cuh.
 _PROTOCOL_HEADER = "protocol.cuh"
+# The largest cubin the cache gives back: ours are a few MiB; a file far past that is not one of them.
+MAX_CUBIN_BYTES = 256 << 20
+# The longest wait for another process's compile of the same entry (its lock); a compile takes seconds.
+LOCK_WAIT_S = 600.0
+_LOCK_POLL_S = 0.05
+_CACHE_FIX = "Set MOE_COMM_CACHE_DIR to a directory only you can write (it is created with mode 0700 if missing)."
 
 
 @dataclass(frozen=True)
@@ -305,6 +322,8 @@ def compile_source(
         CompileError: NVRTC is missing, the source does not exist, or it does not compile (the
             message holds the NVRTC log).
         InputError: ``arch``, ``name`` or ``defines`` are malformed.
+        ConfigError: the cache directory or this entry could be changed by another user (see :func:`read_cubin`).
+        CommTimeoutError: another process held this entry's lock for :data:`LOCK_WAIT_S`.
     """
     _check_name(name)
     _check_arch(arch)
@@ -317,23 +336,81 @@ def compile_source(
     stem = "-".join(part for part in (name, short, arch.replace("_", ""), digest[:16]) if part)
     directory = cache_dir()
     path = directory / f"{stem}.cubin"
-    if path.exists():
-        return path
-    directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / f"{stem}.lock", "a+b") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if path.exists():  # another process compiled it while we waited for the lock
+    dir_fd = open_private_dir(directory, _CACHE_FIX)
+    try:
+        if _has_entry(path, dir_fd):
             return path
-        cubin = _nvrtc_compile(name, text, headers, options)
-        handle, temp = tempfile.mkstemp(dir=directory, prefix=f".{stem}.", suffix=".tmp")
-        try:
-            with os.fdopen(handle, "wb") as out:
-                out.write(cubin)
-            os.replace(temp, path)
-        except BaseException:
-            os.unlink(temp)
-            raise
+        lock_path = directory / f"{stem}.lock"
+        lock = open_private_file(lock_path.name, dir_fd, os.O_RDWR | os.O_CREAT, f"kernel cache lock {lock_path}")
+        try:  # closing the lock's descriptor releases it
+            _wait_for_lock(lock, lock_path)
+            if _has_entry(path, dir_fd):  # another process compiled it while we waited for the lock
+                return path
+            _write_entry(dir_fd, path.name, _nvrtc_compile(name, text, headers, options))
+        finally:
+            os.close(lock)
+    finally:
+        os.close(dir_fd)
     return path
+
+
+def _has_entry(path: Path, dir_fd: int) -> bool:
+    """True if the cache directory ``dir_fd`` holds ``path``'s entry as a file of ours that nobody else
+    may write; ConfigError if it holds something else under that name (a symlink, a FIFO, another's file)."""
+    try:
+        os.close(open_private_file(path.name, dir_fd, os.O_RDONLY, f"cached kernel {path}"))
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _wait_for_lock(lock: int, lock_path: Path) -> None:
+    """Take the exclusive ``flock`` on ``lock``, waiting at most :data:`LOCK_WAIT_S` for its holder."""
+    deadline = time.monotonic() + LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise CommTimeoutError(
+                    f"waited {LOCK_WAIT_S:.0f} s for the kernel cache lock {lock_path}, held by another process "
+                    "all that time (a compile takes seconds). Find the process that holds it (`fuser` on the file), "
+                    "or point MOE_COMM_CACHE_DIR at another directory."
+                ) from None
+            time.sleep(_LOCK_POLL_S)
+
+
+def _write_entry(dir_fd: int, name: str, cubin: bytes) -> None:
+    """Write ``cubin`` to a fresh temp file in the cache directory and move it into place as ``name``."""
+    temp = f".{name}.{secrets.token_hex(8)}.tmp"
+    out = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+    try:
+        with os.fdopen(out, "wb") as handle:
+            handle.write(cubin)
+        os.replace(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        os.unlink(temp, dir_fd=dir_fd)
+        raise
+
+
+def read_cubin(path: Path) -> bytes:
+    """The bytes of a cubin :func:`compile_source` returned, read from a descriptor that was checked
+    to be a regular file of this user, in a directory of this user, that nobody else may write.
+
+    Raises:
+        ConfigError: the cache directory or the file could be changed by another user, the entry is a
+            symlink, a FIFO or larger than :data:`MAX_CUBIN_BYTES`.
+    """
+    dir_fd = open_private_dir(path.parent, _CACHE_FIX)
+    try:
+        fd = open_private_file(path.name, dir_fd, os.O_RDONLY, f"cached kernel {path}")
+    finally:
+        os.close(dir_fd)
+    try:
+        return read_private_file(fd, MAX_CUBIN_BYTES, f"cached kernel {path}")
+    finally:
+        os.close(fd)
 
 
 def _declared_defines(name: str, text: str) -> list[dict]:

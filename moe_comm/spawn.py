@@ -3,8 +3,10 @@
 ``run_ranks`` is the one way moe_comm starts several processes: ``moe-comm run`` uses it, and
 the test suite's harness (``tests/multirank.py``) is a thin wrapper over it. It cannot hang:
 
-* the rendezvous store is bound by the parent on a free port (port 0), so there is no race for
-  a port between picking it and using it, and no fixed port collides with another run;
+* the rendezvous store is a ``FileStore`` in a directory of this run that only this user can
+  enter (``mkdtemp``, mode 0700): no port to pick or collide, and no other local user can read or
+  write its keys (a TCP store answers anyone who connects, and the setup collectives unpickle what
+  the ranks exchange);
 * every child gets the environment that keeps NVLink multicast off (``MULTICAST_OFF_ENV``),
   which the GPU machines require, plus the caller's variables;
 * a rank that raises reports its traceback; a rank that crashes is reported with its exit code;
@@ -58,6 +60,9 @@ _FORK_SERVER_PRELOAD = ("torch", "torch.distributed")
 # The most intra-op threads a rank gets (see _rank_threads).
 _RANK_THREADS_MAX = 8
 
+# The rendezvous store's file in the run directory.
+_STORE_FILE = "store"
+
 # Seconds a killed rank gets to write its stack dump before SIGKILL.
 _STACK_DUMP_WAIT_S = 0.5
 
@@ -79,7 +84,6 @@ def _child(
     rank: int,
     world_size: int,
     payload: Optional[bytes],
-    store_port: int,
     options: dict,
     writer: Connection,
     tasks: Optional[Connection] = None,
@@ -97,7 +101,7 @@ def _child(
     # destructors: there, a thread torch leaves running (seen after torch.compile and gloo runs on
     # the 2-core CI machine) can abort with "terminate called without an active exception" (exit
     # -6), which would turn a rank that finished and reported into a failed one.
-    stack_file = open(Path(options["stack_dir"]) / f"rank{rank}.txt", "w")
+    stack_file = open(Path(options["run_dir"]) / f"rank{rank}.txt", "w")
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     dist = None
     try:
@@ -108,7 +112,8 @@ def _child(
         if "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(_rank_threads(os.cpu_count() or 1, world_size))
         timeout = timedelta(seconds=options["timeout_s"])
-        store = dist.TCPStore("127.0.0.1", store_port, world_size, is_master=False, timeout=timeout)
+        store = dist.FileStore(str(Path(options["run_dir"]) / _STORE_FILE), world_size)
+        store.set_timeout(timeout)
         kwargs = {}
         if options["gpu"]:
             device = torch.device("cuda", rank % torch.cuda.device_count())
@@ -194,13 +199,13 @@ def exit_now(code: int) -> NoReturn:
     os._exit(code)
 
 
-def _stacks(stack_dir: str, rank: int) -> str:
-    path = Path(stack_dir) / f"rank{rank}.txt"
+def _stacks(run_dir: str, rank: int) -> str:
+    path = Path(run_dir) / f"rank{rank}.txt"
     text = path.read_text(errors="replace").strip() if path.exists() else ""
     return text or "(no stack dump: the process did not answer SIGUSR1)"
 
 
-def _kill_all(processes: dict, stack_dir: str) -> dict[int, str]:
+def _kill_all(processes: dict, run_dir: str) -> dict[int, str]:
     """Dump the stacks of live ranks (rank -> process), kill and reap them; returns rank -> stack dump.
 
     With no ranks to kill it returns at once: every run calls it, and the wait for the dumps cost
@@ -217,7 +222,7 @@ def _kill_all(processes: dict, stack_dir: str) -> dict[int, str]:
     for process in processes.values():
         process.kill()
         process.join()
-    return {rank: _stacks(stack_dir, rank) for rank in processes}
+    return {rank: _stacks(run_dir, rank) for rank in processes}
 
 
 @dataclass
@@ -257,7 +262,7 @@ def _pickled_call(
 
 
 def _start_rank(
-    context: ForkServerContext, rank: int, world_size: int, payload: Optional[bytes], store_port: int, options: dict,
+    context: ForkServerContext, rank: int, world_size: int, payload: Optional[bytes], options: dict,
     pooled: bool = False,
 ) -> tuple[ForkServerProcess, Connection, Optional[Connection]]:
     """Start one rank process; returns it, the read end of the pipe it reports on and, for a pooled
@@ -266,7 +271,7 @@ def _start_rank(
     task_reader, task_writer = context.Pipe(duplex=False) if pooled else (None, None)
     process = context.Process(
         target=_child,
-        args=(rank, world_size, payload, store_port, options, writer, task_reader),
+        args=(rank, world_size, payload, options, writer, task_reader),
         name=f"moe_comm-rank{rank}",
     )
     process.start()
@@ -322,14 +327,14 @@ def _unfinished_reason(outcome: _Outcome, elapsed_s: float, timeout_s: float, fa
     return f"did not finish within the timeout of {timeout_s:.1f} s (hung); killed"
 
 
-def _kill_unfinished(outcome: _Outcome, processes: list[ForkServerProcess], stack_dir: str, reason: str) -> None:
+def _kill_unfinished(outcome: _Outcome, processes: list[ForkServerProcess], run_dir: str, reason: str) -> None:
     """Dump the stacks of the ranks that did not report, kill them, and record them as hung."""
-    for rank, stacks in _kill_all({r: processes[r] for r in sorted(outcome.unfinished)}, stack_dir).items():
+    for rank, stacks in _kill_all({r: processes[r] for r in sorted(outcome.unfinished)}, run_dir).items():
         outcome.hung.append(rank)
         outcome.failures[rank] = f"{reason}. Its Python stacks before the kill:\n{stacks}"
 
 
-def _wait_for_exits(outcome: _Outcome, processes: list[ForkServerProcess], stack_dir: str, deadline: float) -> None:
+def _wait_for_exits(outcome: _Outcome, processes: list[ForkServerProcess], run_dir: str, deadline: float) -> None:
     """Join the ranks that reported, by ``deadline`` but at least 5 s from now.
 
     A rank that reported still tears down its group; one that cannot (killed, with its stacks)
@@ -342,7 +347,7 @@ def _wait_for_exits(outcome: _Outcome, processes: list[ForkServerProcess], stack
         process.join(max(0.0, teardown_deadline - time.monotonic()))
         if process.is_alive():
             outcome.hung.append(rank)
-            stacks = _kill_all({rank: process}, stack_dir)[rank]
+            stacks = _kill_all({rank: process}, run_dir)[rank]
             report = f"returned but did not exit (hung in teardown); killed. Its stacks:\n{stacks}"
             earlier = outcome.failures.get(rank)
             outcome.failures[rank] = report if earlier is None else f"{earlier}\n{report}"
@@ -350,8 +355,8 @@ def _wait_for_exits(outcome: _Outcome, processes: list[ForkServerProcess], stack
             outcome.failures[rank] = f"returned but exited with code {process.exitcode}"
 
 
-def _clean_up(processes: list[ForkServerProcess], readers: list[Connection], stack_dir: str) -> None:
-    """Kill and reap whatever still runs, close the pipes and remove the stack dumps (always runs)."""
+def _clean_up(processes: list[ForkServerProcess], readers: list[Connection], run_dir: str) -> None:
+    """Kill and reap whatever still runs, close the pipes and remove the run directory (always runs)."""
     for process in processes:
         if process.is_alive():
             process.kill()
@@ -359,9 +364,9 @@ def _clean_up(processes: list[ForkServerProcess], readers: list[Connection], sta
         process.close()
     for reader in readers:
         reader.close()
-    for path in Path(stack_dir).glob("*"):
+    for path in Path(run_dir).glob("*"):
         path.unlink()
-    os.rmdir(stack_dir)
+    os.rmdir(run_dir)
 
 
 def _rank_failure_error(fn: Union[Callable[..., Any], str], world_size: int, outcome: _Outcome) -> RankFailureError:
@@ -412,7 +417,7 @@ def run_ranks(
     ranks = _Ranks(world_size, payload, dist_backend, timeout_s, gpu, delay_rank, env, pooled=False)
     try:
         outcome = ranks.reports(ranks.start, timeout_s, failure_grace_s)
-        _wait_for_exits(outcome, ranks.processes, ranks.stack_dir, ranks.start + timeout_s)
+        _wait_for_exits(outcome, ranks.processes, ranks.run_dir, ranks.start + timeout_s)
     finally:
         ranks.clean_up()
     if outcome.failures:
@@ -421,26 +426,20 @@ def run_ranks(
 
 
 class _Ranks:
-    """``world_size`` rank processes started at once around a rendezvous store this process hosts.
+    """``world_size`` rank processes started at once around a rendezvous store in a private directory.
 
     Attributes: processes, readers (the pipes each reports on), tasks (the pipes a pooled rank takes
-    calls from, else None each), stack_dir (their stack dumps), start (``time.monotonic()`` at start).
+    calls from, else None each), run_dir (mode 0700: their store file and stack dumps), start
+    (``time.monotonic()`` at start).
     """
 
     def __init__(self, world_size: int, payload: Optional[bytes], dist_backend: str, timeout_s: float, gpu: bool,
                  delay_rank: Optional[tuple[int, float]], env: Optional[Mapping[str, str]], *, pooled: bool) -> None:
-        import torch.distributed as dist
-
-        # The parent hosts the rendezvous store: binding port 0 here gives a free port with no race.
-        self._store = dist.TCPStore(
-            "127.0.0.1", 0, world_size, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
-        )
-        self.stack_dir = tempfile.mkdtemp(prefix="moe_comm_ranks_")
-        child_env = {**os.environ, **MULTICAST_OFF_ENV, "MASTER_ADDR": "127.0.0.1",
-                     "MASTER_PORT": str(self._store.port), **(env or {})}
+        self.run_dir = tempfile.mkdtemp(prefix="moe_comm_ranks_")  # mode 0700
+        child_env = {**os.environ, **MULTICAST_OFF_ENV, **(env or {})}
         options = {
             "env": child_env,
-            "stack_dir": self.stack_dir,
+            "run_dir": self.run_dir,
             "timeout_s": timeout_s,
             "gpu": gpu,
             "dist_backend": dist_backend,
@@ -455,8 +454,7 @@ class _Ranks:
         self.start = time.monotonic()
         try:
             for rank in range(world_size):
-                process, reader, tasks = _start_rank(context, rank, world_size, payload, self._store.port, options,
-                                                     pooled)
+                process, reader, tasks = _start_rank(context, rank, world_size, payload, options, pooled)
                 self.processes.append(process)
                 self.readers.append(reader)
                 self.tasks.append(tasks)
@@ -469,19 +467,18 @@ class _Ranks:
         (or ``failure_grace_s`` after the first failure) are dumped, killed and recorded as hung."""
         outcome = _wait_for_reports(self.processes, self.readers, start + timeout_s, failure_grace_s)
         reason = _unfinished_reason(outcome, time.monotonic() - start, timeout_s, failure_grace_s)
-        _kill_unfinished(outcome, self.processes, self.stack_dir, reason)
+        _kill_unfinished(outcome, self.processes, self.run_dir, reason)
         return outcome
 
     def clean_up(self) -> None:
-        """Kill and reap whatever still runs, close every pipe, remove the stack dumps (idempotent)."""
+        """Kill and reap whatever still runs, close every pipe, remove the run directory (idempotent)."""
         for tasks in self.tasks:
             if tasks is not None:
                 tasks.close()
         self.tasks = []
-        if self.stack_dir is not None:
-            _clean_up(self.processes, self.readers, self.stack_dir)
-            self.stack_dir = None
-        self._store = None
+        if self.run_dir is not None:
+            _clean_up(self.processes, self.readers, self.run_dir)
+            self.run_dir = None
 
 
 class RankPool:
@@ -557,7 +554,7 @@ class RankPool:
                 pass  # already gone: _wait_for_exits reports its exit code
         outcome = _Outcome(unfinished=set())
         try:
-            _wait_for_exits(outcome, self._ranks.processes, self._ranks.stack_dir, time.monotonic() + timeout_s)
+            _wait_for_exits(outcome, self._ranks.processes, self._ranks.run_dir, time.monotonic() + timeout_s)
         finally:
             self._end()
         if outcome.failures:

@@ -44,7 +44,7 @@ class _GlooAllToAll2d(SymmMemAllToAll2d):
         self.MAX_SPLITS = max_splits
         super().__init__(*args)
 
-    def _open_symmetric_memory(self, nbytes: int) -> str:
+    def _open_symmetric_memory(self) -> str:
         return "gloo"
 
     def _empty(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor:

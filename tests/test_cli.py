@@ -117,6 +117,15 @@ def test_bad_config_is_a_clear_usage_error(tmp_path, capsys):
     assert exit_info.value.code == 2
 
 
+@pytest.mark.parametrize("timeout", ["nan", "inf", "-1", "0", "1e7", "soon"])
+def test_run_timeout_must_be_positive_finite_seconds(timeout, capsys):
+    # nan and inf parse as floats; they ended in a traceback from the launcher's timedelta.
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["run", "--timeout", timeout])
+    assert exit_info.value.code == 2
+    assert "--timeout: expected" in capsys.readouterr().err
+
+
 def test_compile_reports_arch_and_nvrtc_errors(monkeypatch, capsys):
     from moe_comm import jit
     from moe_comm.errors import CompileError

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -138,3 +139,87 @@ def test_config_is_frozen():
 def test_public_names():
     for name in ("load_config", "Config", "Dispatcher", "MoeCommError", "ConfigError", "InputError"):
         assert hasattr(moe_comm, name)
+
+
+# Nested aliases: 342 bytes that expand to 9**9 strings (and, in a repr, gigabytes of text).
+BILLION_LAUGHS = "\n".join(
+    ["a: &a [\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",\"lol\",\"lol\"]"]
+    + [f"{chr(ord('a') + n)}: &{chr(ord('a') + n)} [" + ",".join([f"*{chr(ord('a') + n - 1)}"] * 9) + "]"
+       for n in range(1, 9)]
+) + "\n"
+
+
+def test_yaml_aliases_are_refused_at_once(tmp_path):
+    path = tmp_path / "laughs.yaml"
+    path.write_text(BILLION_LAUGHS)
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match=r"laughs.yaml', line 1: YAML anchors and aliases .* not allowed"):
+        load_config(path)
+    assert time.monotonic() - started < 1.0
+    path.write_text("num_experts: 8\nhidden: &h 64\n")  # an anchor alone is refused too: configs need none
+    with pytest.raises(ConfigError, match="line 2: YAML anchors"):
+        load_config(path)
+
+
+def test_a_huge_value_is_named_in_a_short_message():
+    nested = [["lol"] * 1000] * 1000  # a million strings
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match="'hidden': got ") as info:
+        load_config(None, hidden=nested)
+    assert len(str(info.value)) < 300 and time.monotonic() - started < 1.0
+    with pytest.raises(ConfigError, match="got <an int of 16610 bits>"):
+        load_config(None, hidden=10**5000)
+
+
+def test_an_int_past_pythons_digit_limit_in_yaml_is_a_config_error(tmp_path):
+    path = tmp_path / "digits.yaml"
+    path.write_text("hidden: " + "1" * 5000 + "\n")
+    with pytest.raises(ConfigError, match="is not valid YAML"):
+        load_config(path)
+
+
+# Every key that reaches an int32 kernel parameter or an allocation, one past its bound (topk and
+# router.n_group are at most num_experts, checked by their own rules).
+@pytest.mark.parametrize(
+    "overrides, fragment",
+    [
+        ({"num_experts": 2**31, "topk": 1}, "'num_experts': got 2147483648, expected an integer from 1 to 2147483647"),
+        ({"hidden": 2**31}, "'hidden': got 2147483648"),
+        ({"max_tokens_per_rank": 2**31}, "'max_tokens_per_rank': got 2147483648"),
+        ({"expert_alignment": 2**31}, "'expert_alignment': got 2147483648"),
+        ({"expert_capacity": 2**31}, "'expert_capacity': got 2147483648"),
+        ({"sm_budget": 2**31}, "'sm_budget': got 2147483648"),
+        ({"num_sms": 2**31}, "'num_sms': got 2147483648"),
+        ({"nvshmem": {"heap_size_mb": 2**20 + 1}}, "'nvshmem.heap_size_mb': got 1048577, expected an integer from 1"),
+        ({"timeout_s": 1e10}, "'timeout_s': got 10000000000.0, expected a positive number of seconds, at most 1e+06"),
+        # Products of keys in range: the assignments and the dispatch rows are int32 counts in the kernels.
+        ({"max_tokens_per_rank": 2**30, "topk": 2}, "'max_tokens_per_rank': got 1073741824, expected a value whose "
+                                                   "assignments"),
+        ({"expert_alignment": 2**30, "num_experts": 4, "topk": 1}, "dispatch rows"),
+        # Within int32 everywhere, but one rank would need 2**30 rows of 2**27 bytes.
+        ({"hidden": 2**26, "max_tokens_per_rank": 2**30, "topk": 1}, "one rank needs at least"),
+    ],
+)
+def test_every_out_of_range_value_is_refused_at_load(overrides, fragment):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, **overrides)
+    assert fragment in str(info.value)
+
+
+def test_the_dispatch_rows_at_the_world_size_are_checked():
+    config = load_config(None, num_experts=1024, topk=8, max_tokens_per_rank=2**24, hidden=8)
+    config.check_world(8)
+    with pytest.raises(ConfigError, match=r"at 16 ranks \(2,147,484,608 rows\) fits the kernels' int32"):
+        config.check_world(16)
+
+
+def test_a_config_past_the_current_devices_memory_is_refused(monkeypatch):
+    """Where CUDA is in use (a rank with its device set), one rank's least footprint must fit the device."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=64 << 20))
+    load_config(None, hidden=1024, max_tokens_per_rank=1024)  # 2 MiB slab + 8 MiB of rows
+    with pytest.raises(ConfigError, match=r"'max_tokens_per_rank'.* over the 67,108,864 bytes of cuda:0"):
+        load_config(None, hidden=1024, max_tokens_per_rank=16384)

@@ -16,23 +16,32 @@ def test_heap_is_the_config_value_or_twice_the_buffer_and_at_least_the_default()
     assert torch_symm.nvshmem_heap_bytes(900 * MIB + 1, None) == 1801 * MIB
 
 
-def test_heap_size_is_set_before_nvshmem_starts_and_left_alone_after(monkeypatch):
+def _heap_variable_inside(nbytes: int, heap_size_mb):
+    with torch_symm._nvshmem_heap_size(nbytes, heap_size_mb):
+        return torch_symm.os.environ.get("NVSHMEM_SYMMETRIC_SIZE")
+
+
+def test_heap_size_is_set_while_nvshmem_starts_and_the_environment_given_back(monkeypatch):
     monkeypatch.setattr(torch_symm, "_nvshmem_started", False)
     monkeypatch.delenv("NVSHMEM_SYMMETRIC_SIZE", raising=False)
-    torch_symm._size_nvshmem_heap(700 * MIB, None)
-    assert torch_symm.os.environ["NVSHMEM_SYMMETRIC_SIZE"] == str(1400 * MIB)
+    assert _heap_variable_inside(700 * MIB, None) == str(1400 * MIB)
+    # Not left behind: processes this one starts later would inherit a size chosen for it.
+    assert "NVSHMEM_SYMMETRIC_SIZE" not in torch_symm.os.environ
+    with pytest.raises(RuntimeError, match="allocation failed"):
+        with torch_symm._nvshmem_heap_size(10 * MIB, None):
+            raise RuntimeError("allocation failed")
+    assert "NVSHMEM_SYMMETRIC_SIZE" not in torch_symm.os.environ
 
     monkeypatch.setenv("NVSHMEM_SYMMETRIC_SIZE", "123")  # an operator's own choice wins over automatic sizing
-    torch_symm._size_nvshmem_heap(10 * MIB, None)
+    assert _heap_variable_inside(10 * MIB, None) == "123"
+    assert _heap_variable_inside(10 * MIB, 64) == str(64 * MIB)  # but not over the config's explicit value
     assert torch_symm.os.environ["NVSHMEM_SYMMETRIC_SIZE"] == "123"
-    torch_symm._size_nvshmem_heap(10 * MIB, 64)  # but not over the config's explicit value
-    assert torch_symm.os.environ["NVSHMEM_SYMMETRIC_SIZE"] == str(64 * MIB)
 
     monkeypatch.setattr(torch_symm, "_nvshmem_started", True)
-    torch_symm._size_nvshmem_heap(10 * MIB, 32)  # too late to change: logged, environment untouched
-    assert torch_symm.os.environ["NVSHMEM_SYMMETRIC_SIZE"] == str(64 * MIB)
+    assert _heap_variable_inside(10 * MIB, 32) == "123"  # too late to change: logged, environment untouched
 
 
 def test_heap_smaller_than_the_buffer_is_refused():
     with pytest.raises(BackendError, match=r"nvshmem.heap_size_mb=8 is smaller than .* \(10 MiB\)"):
-        torch_symm._size_nvshmem_heap(10 * MIB, 8)
+        with torch_symm._nvshmem_heap_size(10 * MIB, 8):
+            pass

@@ -17,14 +17,16 @@ Facts of torch's symmetric memory this relies on: the provider is chosen once pe
 ``set_backend`` before the first allocation; ``empty`` is collective and needs a device with an
 explicit index; NCCL needs one ordinary collective on the group before the first rendezvous.
 NVSHMEM starts at the process's first NVSHMEM allocation and reads its heap size
-(``NVSHMEM_SYMMETRIC_SIZE``) then, so the heap is sized before that allocation.
+(``NVSHMEM_SYMMETRIC_SIZE``) then, so the variable is set around that allocation only and the
+caller's environment is given back afterwards.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -40,6 +42,7 @@ PROVIDERS = ("NVSHMEM", "NCCL")
 _log = logging.getLogger("moe_comm")
 _MIB = 1 << 20
 _DEFAULT_HEAP_BYTES = 1024 * _MIB  # NVSHMEM's own default
+_HEAP_VARIABLE = "NVSHMEM_SYMMETRIC_SIZE"
 # Set once this process made its first NVSHMEM allocation: the heap size is fixed from then on.
 _nvshmem_started = False
 
@@ -76,8 +79,11 @@ def _take_pooled(key: tuple, group: dist.ProcessGroup, device: torch.device):
     return buffer, handle
 
 
-def _size_nvshmem_heap(nbytes: int, heap_size_mb: Optional[int]) -> None:
-    """Set ``NVSHMEM_SYMMETRIC_SIZE`` before NVSHMEM starts; raise if the heap cannot hold ``nbytes``."""
+@contextlib.contextmanager
+def _nvshmem_heap_size(nbytes: int, heap_size_mb: Optional[int]) -> Iterator[None]:
+    """Around the call that starts NVSHMEM: ``NVSHMEM_SYMMETRIC_SIZE`` set to the heap this process needs,
+    and the caller's value (or its absence) back afterwards, so the processes it starts later do not
+    inherit a size chosen for this one. Raises BackendError if the heap cannot hold ``nbytes``."""
     wanted = nvshmem_heap_bytes(nbytes, heap_size_mb)
     if wanted < nbytes:
         raise BackendError(
@@ -88,10 +94,20 @@ def _size_nvshmem_heap(nbytes: int, heap_size_mb: Optional[int]) -> None:
         if heap_size_mb is not None:
             _log.warning("nvshmem.heap_size_mb=%d ignored: NVSHMEM already started in this process with its heap",
                          heap_size_mb)
+        yield
         return
-    if heap_size_mb is None and "NVSHMEM_SYMMETRIC_SIZE" in os.environ:
-        return  # the operator sized it
-    os.environ["NVSHMEM_SYMMETRIC_SIZE"] = str(wanted)
+    previous = os.environ.get(_HEAP_VARIABLE)
+    if heap_size_mb is None and previous is not None:
+        yield  # the operator sized it
+        return
+    os.environ[_HEAP_VARIABLE] = str(wanted)
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[_HEAP_VARIABLE]
+        else:
+            os.environ[_HEAP_VARIABLE] = previous
 
 
 def _symm_mem():
@@ -169,22 +185,23 @@ class TorchSymmetricMemory(SymmetricMemory):
             return
         with torch.cuda.device(self.device):
             _select_provider(symm_mem, provider)
-            if provider == "NVSHMEM":
-                _size_nvshmem_heap(nbytes, heap_size_mb)
             if provider == "NCCL":
                 # NCCL refuses a rendezvous as the communicator's first operation.
                 dist.barrier(group=group, device_ids=[self.device.index])
             self._pool_key = (provider, group.group_name, self.device.index, nbytes)
-            try:
-                self._buffer, self._handle = _take_pooled(self._pool_key, group, self.device)
-                if self._buffer is None:
-                    self._buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device)
-                    self._buffer.zero_()
-                    self._handle = symm_mem.rendezvous(self._buffer, group.group_name)
-            except Exception as exc:
-                raise BackendError(f"{provider} symmetric memory setup failed on rank {self.rank}: {exc}") from exc
-            finally:
-                _nvshmem_started = _nvshmem_started or provider == "NVSHMEM"
+            heap_size = (_nvshmem_heap_size(nbytes, heap_size_mb) if provider == "NVSHMEM"
+                         else contextlib.nullcontext())
+            with heap_size:
+                try:
+                    self._buffer, self._handle = _take_pooled(self._pool_key, group, self.device)
+                    if self._buffer is None:
+                        self._buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device)
+                        self._buffer.zero_()
+                        self._handle = symm_mem.rendezvous(self._buffer, group.group_name)
+                except Exception as exc:
+                    raise BackendError(f"{provider} symmetric memory setup failed on rank {self.rank}: {exc}") from exc
+                finally:
+                    _nvshmem_started = _nvshmem_started or provider == "NVSHMEM"
             if put_transport:
                 self._peer_ptrs = [self._buffer.data_ptr()] * self.world_size
             else:

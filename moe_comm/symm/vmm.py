@@ -1,7 +1,8 @@
 """Symmetric memory from CUDA VMM, shared between the processes of one host.
 
 Every rank creates one allocation (``cuMemCreate``, POSIX file-descriptor handle), exports it
-as an fd, hands the fd to every peer (``SCM_RIGHTS`` over a Unix socket, or ``pidfd_getfd``),
+as an fd, hands the fd to every peer (``SCM_RIGHTS`` over a Unix socket in a 0700 directory rank 0
+makes for the setup, each end checking the other's process with ``SO_PEERCRED``; or ``pidfd_getfd``),
 imports the peers' fds and maps all ``world_size`` allocations back to back into one reserved
 virtual-address range, so ``peer_ptrs[r] = base + r * nbytes``.
 
@@ -26,19 +27,22 @@ import errno
 import functools
 import math
 import os
-import secrets
+import shutil
 import socket
 import struct
+import tempfile
 import time
 import warnings
+from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..agreement import agree
-from ..errors import BackendError, CommTimeoutError, InputError, MoeCommError
+from ..errors import BackendError, CommTimeoutError, ConfigError, InputError, MoeCommError
 from ..driver import cu_check, cuda_driver, device_context
+from ..private import check_private_dir
 from .base import SymmetricMemory, wrap_device_pointer
 
 __all__ = ["FD_PASSING", "VmmSymmetricMemory", "open_fd_count"]
@@ -100,6 +104,12 @@ def _unmap(ptr: int, size: int) -> None:
     cu_check(cuda_driver().cuMemUnmap(ptr, size), "cuMemUnmap")
 
 
+def _peer_credentials(sock: socket.socket) -> tuple[int, int]:
+    """``(pid, uid)`` of the process at the other end of a connected Unix socket (``SO_PEERCRED``)."""
+    pid, uid, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+    return pid, uid
+
+
 def _boot_id() -> str:
     try:
         with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as handle:
@@ -108,72 +118,108 @@ def _boot_id() -> str:
         raise BackendError(f"vmm needs Linux: cannot read /proc/sys/kernel/random/boot_id ({exc})") from exc
 
 
-def _socket_name(token: str, rank: int) -> str:
-    # Linux abstract namespace (leading NUL): no file to clean up, gone with the socket.
-    return f"\0moe_comm-vmm-{token}-{rank}"
+def _socket_path(directory: str, rank: int) -> str:
+    return os.path.join(directory, str(rank))
+
+
+# What the socket directory's check tells a user to do (it is rank 0's temp dir: nothing to set).
+_SOCKET_DIR_FIX = "Every rank of the group must run as the same user; the directory is rank 0's and made 0700."
+
+
+def _make_socket_dir() -> str:
+    """A fresh directory for the fd sockets of one setup, mode 0700: no other user can connect in it."""
+    return tempfile.mkdtemp(prefix="moe_comm-vmm-")
 
 
 class _FdExchange:
     """Hands this rank's exported fd to every peer and collects theirs (one setup's worth).
 
-    Every fd received is registered on ``undo`` at once (closing it), so a failure anywhere
-    leaves none open. Waits are bounded by ``deadline`` (``time.monotonic()`` seconds).
+    The sockets live in rank 0's 0700 directory, so only this user reaches them; besides, a sender
+    checks that the socket it reached is held by the peer's process (``SO_PEERCRED``) before the fd
+    goes out, and a receiver drops any connection from a process that is not a peer still awaited
+    and keeps accepting. Every fd received is registered on ``undo`` at once (closing it), so a
+    failure anywhere leaves none open. Waits are bounded by ``deadline`` (``time.monotonic()`` seconds).
+
+    pids: every rank's process id, as the ranks announced it through the group.
     """
 
-    def __init__(self, rank: int, world_size: int, size: int, timeout_s: float, undo: _UndoStack):
+    def __init__(self, rank: int, world_size: int, size: int, timeout_s: float, undo: _UndoStack, pids: list[int]):
         self.rank = rank
         self.world_size = world_size
         self.size = size
         self.timeout_s = timeout_s
         self.undo = undo
+        self.pids = pids
 
     def _keep(self, fd: int) -> tuple:
         return self.undo.push(f"received fd {fd}", functools.partial(os.close, fd))
 
-    def listen(self, token: str) -> tuple[socket.socket, tuple]:
-        """Open this rank's fd socket; returns it and its undo entry (close it once the exchange is over)."""
+    def listen(self, directory: str) -> tuple[socket.socket, tuple]:
+        """Open this rank's fd socket in ``directory``; returns it and its undo entry (close it once the
+        exchange is over). The directory must be this user's and no one else's."""
+        try:
+            dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise BackendError(f"rank {self.rank} cannot open the fd socket directory {directory}: {exc}") from exc
+        try:
+            check_private_dir(dir_fd, Path(directory), _SOCKET_DIR_FIX)
+        except ConfigError as exc:
+            raise BackendError(f"rank {self.rank}: {exc}") from None
+        finally:
+            os.close(dir_fd)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         entry = self.undo.push("fd socket", sock.close)
         try:
-            sock.bind(_socket_name(token, self.rank))
+            sock.bind(_socket_path(directory, self.rank))
             sock.listen(self.world_size)
         except OSError as exc:
             raise BackendError(f"rank {self.rank} could not listen on its fd socket: {exc}") from exc
         return sock, entry
 
-    def send(self, fd: int, token: str, deadline: float) -> None:
-        """Connect to every peer's socket and send ``fd`` (a queued connection needs no accept to complete)."""
+    def send(self, fd: int, directory: str, deadline: float) -> None:
+        """Connect to every peer's socket and send ``fd`` (a queued connection needs no accept to complete),
+        once ``SO_PEERCRED`` shows the peer's own process listening there."""
         header = _HEADER.pack(self.rank, self.size)
         for peer in range(self.world_size):
             if peer == self.rank:
                 continue
+            step = f"(step: vmm fd exchange, send to rank {peer})"
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
                 sock.settimeout(max(deadline - time.monotonic(), 1e-3))
                 try:
-                    sock.connect(_socket_name(token, peer))
+                    sock.connect(_socket_path(directory, peer))
+                    pid, uid = _peer_credentials(sock)
+                    if (pid, uid) != (self.pids[peer], os.geteuid()):
+                        raise BackendError(
+                            f"rank {self.rank}: the fd socket of rank {peer} is held by pid {pid} (uid {uid}), not by "
+                            f"rank {peer}'s process (pid {self.pids[peer]}, uid {os.geteuid()}); no fd was sent "
+                            f"{step}"
+                        )
                     socket.send_fds(sock, [header], [fd])
                 except TimeoutError:
                     raise CommTimeoutError(
                         f"rank {self.rank} timed out after {self.timeout_s:.1f} s sending its memory fd to "
-                        f"rank {peer} (step: vmm fd exchange, send)"
+                        f"rank {peer} {step}"
                     ) from None
                 except OSError as exc:
-                    raise BackendError(
-                        f"rank {self.rank} could not send its memory fd to rank {peer} (step: vmm fd exchange, "
-                        f"send): {exc}"
-                    ) from exc
+                    raise BackendError(f"rank {self.rank} could not send its memory fd to rank {peer} {step}: "
+                                       f"{exc}") from exc
 
-    def receive(self, listener: socket.socket, pids: list[int], deadline: float) -> dict[int, tuple[int, tuple]]:
+    def receive(self, listener: socket.socket, deadline: float) -> dict[int, tuple[int, tuple]]:
         """Accept one connection per peer; returns peer rank -> (fd, its undo entry).
 
-        The sender's pid (``SO_PEERCRED``) must be the one its rank announced, and its size ours.
+        A connection from a process that is not an awaited peer (``SO_PEERCRED`` pid and uid) is
+        closed unread and the accepting goes on. An awaited peer's message must name that peer
+        and our size.
         """
         received: dict[int, tuple[int, tuple]] = {}
+        dropped: list[str] = []
         while len(received) < self.world_size - 1:
             missing = [r for r in range(self.world_size) if r != self.rank and r not in received]
             timeout_error = CommTimeoutError(
                 f"rank {self.rank} timed out after {self.timeout_s:.1f} s waiting for the memory fd of rank(s) "
                 f"{missing} (step: vmm fd exchange, receive)"
+                + (f"; dropped connections from {', '.join(dropped)}" if dropped else "")
             )
             listener.settimeout(max(deadline - time.monotonic(), 1e-3))
             try:
@@ -181,8 +227,11 @@ class _FdExchange:
             except TimeoutError:
                 raise timeout_error from None
             with conn:
+                pid, uid = _peer_credentials(conn)
+                if uid != os.geteuid() or pid not in [self.pids[r] for r in missing]:
+                    dropped.append(f"pid {pid} (uid {uid})")
+                    continue
                 conn.settimeout(max(deadline - time.monotonic(), 1e-3))
-                pid = _PEERCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))[0]
                 try:
                     data, fds, flags, _ = socket.recv_fds(conn, _HEADER.size, 1)
                 except TimeoutError:
@@ -194,16 +243,16 @@ class _FdExchange:
                         f"{len(fds)} fds) on its fd socket (step: vmm fd exchange, receive)"
                     )
                 sender, their_size = _HEADER.unpack(data)
-                if sender not in missing or pids[sender] != pid or their_size != self.size:
+                if sender not in missing or self.pids[sender] != pid or their_size != self.size:
                     raise BackendError(
                         f"rank {self.rank} got an unexpected fd message: it claims rank {sender} with {their_size} "
-                        f"bytes from pid {pid}; expected one of ranks {missing} (pids {[pids[r] for r in missing]}) "
-                        f"with {self.size} bytes (step: vmm fd exchange, receive)"
+                        f"bytes from pid {pid}; expected one of ranks {missing} (pids "
+                        f"{[self.pids[r] for r in missing]}) with {self.size} bytes (step: vmm fd exchange, receive)"
                     )
                 received[sender] = (fds[0], entries[0])
         return received
 
-    def fetch_pidfd(self, pids: list[int], remote_fds: list[int]) -> dict[int, tuple[int, tuple]]:
+    def fetch_pidfd(self, remote_fds: list[int]) -> dict[int, tuple[int, tuple]]:
         """Copy every peer's exported fd out of its process (``pidfd_getfd``); returns peer -> (fd, undo entry)."""
         libc = ctypes.CDLL(None, use_errno=True)
         received = {}
@@ -211,10 +260,10 @@ class _FdExchange:
             if peer == self.rank:
                 continue
             try:
-                pidfd = os.pidfd_open(pids[peer])
+                pidfd = os.pidfd_open(self.pids[peer])
             except OSError as exc:
                 raise BackendError(
-                    f"rank {self.rank}: pidfd_open of rank {peer} (pid {pids[peer]}) failed: {exc}; use "
+                    f"rank {self.rank}: pidfd_open of rank {peer} (pid {self.pids[peer]}) failed: {exc}; use "
                     "vmm.fd_passing: scm_rights"
                 ) from exc
             try:
@@ -228,7 +277,7 @@ class _FdExchange:
                     if code == errno.EPERM else os.strerror(code)
                 )
                 raise BackendError(
-                    f"rank {self.rank}: pidfd_getfd of rank {peer}'s memory fd (pid {pids[peer]}) failed: {hint}. "
+                    f"rank {self.rank}: pidfd_getfd of rank {peer}'s memory fd (pid {self.pids[peer]}) failed: {hint}. "
                     "Set vmm.fd_passing: scm_rights, which works for any user."
                 )
             received[peer] = (fd, self._keep(fd))
@@ -296,6 +345,7 @@ class VmmSymmetricMemory(SymmetricMemory):
         self._own_fd_entry: Optional[tuple] = None
         self._exchange: Optional[_FdExchange] = None
         self._listener: Optional[tuple[socket.socket, tuple]] = None
+        self._socket_dir_entry: Optional[tuple] = None
         try:
             with device_context(device):
                 self._setup(nbytes)
@@ -363,16 +413,19 @@ class VmmSymmetricMemory(SymmetricMemory):
             )
         granularity = math.lcm(*(info["granularity"] for info in infos))
         size = requested + (-requested) % granularity
-        token = infos[0]["token"]
+        socket_dir = infos[0]["socket_dir"]
         pids = [info["pid"] for info in infos]
 
         uuids = [info["uuid"] for info in infos]
-        self._exchange = _FdExchange(self.rank, self.world_size, size, self._timeout_s, self._undo)
-        remote_fds = self._agree("allocate", lambda: self._allocate(driver, prop, size, uuids, token))
-        self._agree("map", lambda: self._map_all(driver, size, granularity, token, pids, remote_fds))
+        self._exchange = _FdExchange(self.rank, self.world_size, size, self._timeout_s, self._undo, pids)
+        remote_fds = self._agree("allocate", lambda: self._allocate(driver, prop, size, uuids, socket_dir))
+        self._agree("map", lambda: self._map_all(driver, size, granularity, socket_dir, remote_fds))
 
-        # Every peer holds its own import of our allocation now (the gather above orders it).
+        # Every peer holds its own import of our allocation now (the gather above orders it), and
+        # every rank is done with the sockets.
         self._undo.run(self._own_fd_entry)
+        if self._socket_dir_entry is not None:
+            self._undo.run(self._socket_dir_entry)
         self.nbytes = size
         self._peer_ptrs = [self._base + r * size for r in range(self.world_size)]
         self._peer_ptrs_tensor = torch.tensor(self._peer_ptrs, dtype=torch.int64, device=self.device)
@@ -411,8 +464,17 @@ class VmmSymmetricMemory(SymmetricMemory):
             "granularity": int(granularity),
             "nbytes": requested,
             "fd_passing": self._fd_passing,
-            "token": secrets.token_hex(16),  # only rank 0's is used: it names the sockets of this setup
+            "socket_dir": self._socket_dir(),  # only rank 0's is used: the sockets of this setup live there
         }
+
+    def _socket_dir(self) -> Optional[str]:
+        """On rank 0 with ``scm_rights`` passing: a fresh 0700 directory for the setup's sockets (removed with
+        its undo, on rank 0, once every rank is done with it); else None."""
+        if self.rank != 0 or self._fd_passing != "scm_rights":
+            return None
+        directory = _make_socket_dir()
+        self._socket_dir_entry = self._undo.push("fd socket directory", functools.partial(shutil.rmtree, directory))
+        return directory
 
     def _check_one_host(self, infos: list[dict]) -> None:
         hosts: dict[tuple[str, str], list[int]] = {}
@@ -446,7 +508,7 @@ class VmmSymmetricMemory(SymmetricMemory):
                         "(NVLink or PCIe P2P). Use the nccl backend on this machine."
                     )
 
-    def _allocate(self, driver: Any, prop: Any, size: int, uuids: list[bytes], token: str) -> int:
+    def _allocate(self, driver: Any, prop: Any, size: int, uuids: list[bytes], socket_dir: Optional[str]) -> int:
         """Create and export this rank's allocation (and open its fd socket); returns the fd's number.
 
         The number matters to peers only with ``pidfd`` passing, where they copy the fd by number.
@@ -465,21 +527,21 @@ class VmmSymmetricMemory(SymmetricMemory):
         self._own_fd_entry = self._undo.push("export fd", functools.partial(os.close, fd))
         if self._fd_passing == "scm_rights":
             # Listening before the gather that ends this phase: every peer can connect right away.
-            self._listener = self._exchange.listen(token)
+            self._listener = self._exchange.listen(socket_dir)
         return fd
 
     def _map_all(
-        self, driver: Any, size: int, granularity: int, token: str, pids: list[int], remote_fds: list[int]
+        self, driver: Any, size: int, granularity: int, socket_dir: Optional[str], remote_fds: list[int]
     ) -> None:
         """Receive and import the peers' fds, map all copies back to back, give this GPU access, zero our copy."""
         if self._fd_passing == "scm_rights":
             deadline = time.monotonic() + self._timeout_s
             listener, listener_entry = self._listener
-            self._exchange.send(self._own_fd, token, deadline)
-            received = self._exchange.receive(listener, pids, deadline)
+            self._exchange.send(self._own_fd, socket_dir, deadline)
+            received = self._exchange.receive(listener, deadline)
             self._undo.run(listener_entry)
         else:
-            received = self._exchange.fetch_pidfd(pids, remote_fds)
+            received = self._exchange.fetch_pidfd(remote_fds)
         handles = {self.rank: self._own_handle}
         for peer, (fd, entry) in sorted(received.items()):
             handle = cu_check(
