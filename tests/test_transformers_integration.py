@@ -9,7 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-pytest.importorskip("transformers")
+from requirements import require
+
+require("transformers")
 
 from hf_models import ARCHS, VOCAB, PlainExperts, build_model, compare_with_unmodified  # noqa: E402
 from moe_comm import ConfigError, InputError, load_config  # noqa: E402

@@ -1,0 +1,42 @@
+"""tests/requirements.py (contract: packaging, the test suite itself): a missing test dependency
+skips its test on a developer's machine and fails it in CI, where the dependency is installed."""
+
+from __future__ import annotations
+
+import pytest
+
+import requirements
+from requirements import REQUIRED_IN_CI, missing, require
+
+ABSENT = "moe_comm_tests_no_such_module"
+
+
+@pytest.mark.parametrize("ci", ["true", "TRUE", "1"])
+def test_in_ci_a_missing_required_module_fails_its_test(monkeypatch, ci):
+    monkeypatch.setenv("CI", ci)
+    monkeypatch.setattr(requirements, "REQUIRED_IN_CI", REQUIRED_IN_CI | {ABSENT})
+    with pytest.raises(pytest.fail.Exception, match=f"CI installs {ABSENT}, but it is missing here: {ABSENT}"):
+        require(ABSENT)
+
+
+@pytest.mark.parametrize("ci", [None, "", "false", "0"])
+def test_outside_ci_a_missing_module_skips_its_test(monkeypatch, ci):
+    if ci is None:
+        monkeypatch.delenv("CI", raising=False)
+    else:
+        monkeypatch.setenv("CI", ci)
+    monkeypatch.setattr(requirements, "REQUIRED_IN_CI", REQUIRED_IN_CI | {ABSENT})
+    with pytest.raises(pytest.skip.Exception, match=f"{ABSENT} cannot be imported"):
+        require(ABSENT)
+
+
+def test_in_ci_a_dependency_not_on_the_list_still_skips(monkeypatch):
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.skip.Exception, match="probed capability absent"):
+        missing(ABSENT, "probed capability absent")
+
+
+def test_a_present_module_is_returned(monkeypatch):
+    monkeypatch.setenv("CI", "true")
+    assert require("json") is __import__("json")
+
