@@ -1,11 +1,11 @@
 """FP8 dispatch on 2 gloo ranks of the reference backend (contract: FP8 format, dispatch).
 
 With ``dispatch_dtype: float8_e4m3fn`` every row arrives as the bytes and scales the FP8 format
-specifies (the test's own quantizer, ``fp8_model``), laid out as the config-dtype dispatch lays out the same rows; a
-pre-quantized ``(x_fp8, x_scales)`` pair gives the same output as the tensor it came from; the
-padding rows are zero; combine works on it; the dequantized rows differentiate straight through
-the quantization (the backward a config-dtype dispatch has); MoELayer trains on it; malformed
-inputs are refused by name.
+specifies (the tests' own quantizer, ``fp8_model``), laid out as the config-dtype dispatch lays
+out the same rows; a pre-quantized ``(x_fp8, x_scales)`` pair gives the same output as the tensor
+it came from; the padding rows are zero; combine works on it; the dequantized rows differentiate
+straight through the quantization (the backward a config-dtype dispatch has); MoELayer trains on
+it; malformed inputs are refused by name.
 """
 
 from __future__ import annotations
