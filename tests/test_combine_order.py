@@ -72,7 +72,7 @@ def _rank_combine(rank: int, world: int) -> dict:
         y[:end] = out.x[:end] * row_scales[:, None]
         z = disp.combine(y, out.handle)
     increasing = _expected(x, idx, weights, range(WORLD))
-    decreasing = _expected(x, idx, weights, reversed(range(WORLD)))
+    decreasing = _expected(x, idx, weights, range(WORLD - 1, -1, -1))
     return {"z": z, "increasing": increasing, "orders_differ": int((increasing != decreasing).sum())}
 
 
