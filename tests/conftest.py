@@ -110,14 +110,16 @@ def requires_gpus():
 
 @pytest.fixture
 def nvrtc():
-    """Skip when NVRTC cannot be loaded here (CI installs it through the `test` extra)."""
+    """NVRTC's version; skips when NVRTC cannot be loaded here, and fails in CI (which installs it
+    through the `test` extra)."""
     from moe_comm import jit
     from moe_comm.errors import CompileError
+    from requirements import missing
 
     try:
         return jit.nvrtc_version()
     except CompileError as exc:
-        pytest.skip(f"NVRTC is not available: {exc}")
+        missing("nvrtc", f"NVRTC is not available: {exc}")
 
 
 @pytest.fixture

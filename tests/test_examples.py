@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from requirements import require
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "train_tiny_moe.py"
 
@@ -112,6 +114,6 @@ def test_torchrun_step_runs_on_cpu_ranks():
 def test_hf_expert_parallel_runs_on_cpu_ranks():
     # The README's transformers example: a tiny Qwen3-MoE made expert-parallel over 2 gloo ranks,
     # its logits against the unmodified model, then a greedy generation on every rank.
-    pytest.importorskip("transformers")
+    require("transformers")
     lines = _torchrun_on_two_cpu_ranks("hf_expert_parallel.py", "--new-tokens", "4")
     assert all(": ok (max logit error" in line and "generated 4 tokens per prompt" in line for line in lines), lines

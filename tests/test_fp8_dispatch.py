@@ -1,11 +1,11 @@
 """FP8 dispatch on 2 gloo ranks of the reference backend (contract: FP8 format, dispatch).
 
-With ``dispatch_dtype: float8_e4m3fn`` every row arrives as the reference quantizer's bytes and
-scales (``moe_comm.quantize``), laid out as the config-dtype dispatch lays out the same rows; a
-pre-quantized ``(x_fp8, x_scales)`` pair gives the same output as the tensor it came from; the
-padding rows are zero; combine works on it; the dequantized rows differentiate straight through
-the quantization (the backward a config-dtype dispatch has); MoELayer trains on it; malformed
-inputs are refused by name.
+With ``dispatch_dtype: float8_e4m3fn`` every row arrives as the bytes and scales the FP8 format
+specifies (the tests' own quantizer, ``fp8_model``), laid out as the config-dtype dispatch lays
+out the same rows; a pre-quantized ``(x_fp8, x_scales)`` pair gives the same output as the tensor
+it came from; the padding rows are zero; combine works on it; the dequantized rows differentiate
+straight through the quantization (the backward a config-dtype dispatch has); MoELayer trains on
+it; malformed inputs are refused by name.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 
 import moe_comm
 from moe_comm import fp8
+import fp8_model
 from layer_checks import paired_layer_errors
 from multirank import run_ranks
 from tensor_views import off_boundary
@@ -49,11 +50,12 @@ def _rank_fp8(rank: int, world: int) -> dict:
             disp_rows, plain_rows = disp.dequantize(out), reference.dequantize(want)
         rows = torch.full((want.x.shape[0],), -1, dtype=torch.int64)
         # Which source row each output row holds (slab row s * M + t: every rank sends M tokens here),
-        # and every rank's quantized rows to compare with.
-        all_fp8 = [torch.empty_like(x_fp8.view(torch.uint8)) for _ in range(world)]
-        all_scales = [torch.empty_like(x_scales) for _ in range(world)]
-        torch.distributed.all_gather(all_fp8, x_fp8.view(torch.uint8).contiguous())
-        torch.distributed.all_gather(all_scales, x_scales)
+        # and every rank's rows as the test's own quantizer makes them, to compare with.
+        codes, scales = fp8_model.quantize(x, round_scale)
+        all_fp8 = [torch.empty_like(codes) for _ in range(world)]
+        all_scales = [torch.empty_like(scales) for _ in range(world)]
+        torch.distributed.all_gather(all_fp8, codes)
+        torch.distributed.all_gather(all_scales, scales)
         source_rows = torch.cat(all_fp8)
         source_scales = torch.cat(all_scales)
         kept = recv_pos >= 0
@@ -75,7 +77,7 @@ def _rank_fp8(rank: int, world: int) -> dict:
             and torch.equal(pair.x_scales[:end], got_scales[:end]),
             "combine": torch.equal(z_fp8, z_plain),
             "plain_x_scales": want.x_scales is None,
-            "dequantize": torch.equal(disp_rows, fp8.dequantize(out.x, out.x_scales, torch.bfloat16))
+            "dequantize": torch.equal(disp_rows, fp8_model.dequantize(got_bytes, got_scales, torch.bfloat16))
             and plain_rows is want.x,
         }
     return results

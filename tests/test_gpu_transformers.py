@@ -13,7 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("transformers")
+from requirements import require
+
+require("transformers")
 
 from capture import warm_up_on_side_stream  # noqa: E402
 from gpu_backends import GPU_BACKENDS, dist_backend_for, gpus_needed  # noqa: E402

@@ -18,6 +18,7 @@ import torch
 from moe_comm import driver, kernels, protocol
 from moe_comm.kernel_params import KernelParams, kernel_params
 from moe_comm.assets import asset_dir
+from requirements import missing
 
 WORLD, MAX_TOKENS, TOPK, HIDDEN, EXPERTS = 2, 8, 3, 64, 8
 _POINTER, _INTEGER = "pointer", "integer"
@@ -255,7 +256,7 @@ def test_device_builds_of_the_put_transport_use_nvshmem_headers_except_fp8_cu():
     try:
         toolchain = nvshmem_build.toolchain()
     except BackendError as exc:
-        pytest.skip(f"no NVSHMEM headers here: {exc}")
+        missing("nvshmem_headers", f"no NVSHMEM headers here: {exc}")
     builds = kernels.device_builds(torch.float16, 256, 4, arch="sm_90", put_transport=True, fp8_dispatch=True)
     assert [(name, build_toolchain.options) for name, _, build_toolchain in builds] == [
         ("dispatch", toolchain.options), ("combine", toolchain.options), ("dispatch", toolchain.options),

@@ -20,6 +20,7 @@ from moe_comm.layer import MoELayer, MoEWeights, moe_aux_loss, route, update_exp
 from moe_comm.reference import build_dense_weights, dense_forward, dense_route
 from layer_checks import BASE, FFN, TOLERANCE, assert_within, gather, layer_errors
 from multirank import run_ranks
+from requirements import missing
 from segments import padding_rows
 
 # DeepSeek-V3's router on 8 experts: sigmoid scores, 4 groups of 2 of which each token keeps 2,
@@ -374,7 +375,7 @@ def test_expert_implementations_match_sliced_loop(impl):
         try:
             torch._grouped_mm(rows[:4], w_gate_up, offs=torch.tensor([4, 4, 4, 4], dtype=torch.int32))
         except (AttributeError, RuntimeError, NotImplementedError) as exc:
-            pytest.skip(f"torch._grouped_mm does not run on this torch's CPU: {exc}")
+            missing("grouped_mm", f"torch._grouped_mm does not run on this torch's CPU: {exc}")
     fn = masked_experts if impl == "masked" else grouped_experts
     want, want_grads = run(sliced_experts)
     got, got_grads = run(fn)

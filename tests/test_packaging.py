@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from requirements import missing
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -41,7 +43,7 @@ def wheel(tmp_path_factory) -> Path:
         pytest.skip(f"no source tree at {ROOT} (tests run from an installed copy)")
     blocker = _offline_build_blocker()
     if blocker:
-        pytest.skip(blocker)
+        missing("setuptools", blocker)
     work = tmp_path_factory.mktemp("wheel")
     # Build from a copy so setuptools' build/ and egg-info never land in the source tree.
     source = _copy_source_tree(work / "src")
@@ -139,7 +141,7 @@ def test_editable_install_reads_its_resources(tmp_path):
         pytest.skip(f"no source tree at {ROOT} (tests run from an installed copy)")
     blocker = _offline_build_blocker()
     if blocker:
-        pytest.skip(blocker)
+        missing("setuptools", blocker)
     tree = _copy_source_tree(tmp_path / "tree")
     prefix = tmp_path / "prefix"
     result = subprocess.run(

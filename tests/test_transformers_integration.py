@@ -9,9 +9,11 @@ import pytest
 import torch
 from torch import nn
 
-pytest.importorskip("transformers")
+from requirements import require
 
-from hf_models import ARCHS, VOCAB, PlainExperts, build_model, compare_with_unmodified  # noqa: E402
+require("transformers")
+
+from hf_models import ARCHS, VOCAB, PlainExperts, build_model, compare_with_unmodified, rel_err  # noqa: E402
 from moe_comm import ConfigError, InputError, load_config  # noqa: E402
 from moe_comm.integrations.transformers import expert_parallel  # noqa: E402
 from multirank import run_ranks  # noqa: E402
@@ -58,16 +60,19 @@ def _rank_fp8(rank: int, world: int) -> dict:
 
 def test_expert_parallel_model_with_fp8_dispatch_trains_close_to_unmodified():
     # The experts run on dequantized e4m3 rows and the gradients pass straight through: logits and
-    # gradients within e4m3's few percent (largest relative errors here: logits 0.3%, gradients 6.2%).
+    # gradients within e4m3's few percent. The bounds are ~3x and ~2.4x the largest relative errors
+    # seen here (logits 0.25%, gradients 6.2%), so a change that doubles either error shows.
     for rank, result in enumerate(run_ranks(_rank_fp8, WORLD, timeout_s=120)):
         assert result["calls"] == 4 and result["kept"], f"rank {rank}: {result}"
-        assert 0 < result["logits"] < 0.1, f"rank {rank}: {result}"
-        assert 0 < result["grads"][0] < 0.2, f"rank {rank}: {result}"
+        assert 0 < result["logits"] < 0.008, f"rank {rank}: {result}"
+        assert 0 < result["grads"][0] < 0.15, f"rank {rank}: {result}"
 
 
 def _rank_meta_device(rank: int, world: int) -> float:
     """The README's low-memory recipe: a model built on the meta device, made expert-parallel, materialised
-    and loaded with this rank's slices (here from a model made expert-parallel the usual way)."""
+    and loaded with this rank's slices (here from a model made expert-parallel the usual way); its logits'
+    relative error against the same model never made expert-parallel."""
+    unmodified = build_model("qwen3_moe")
     usual = expert_parallel(build_model("qwen3_moe"), backend="reference")
     with torch.device("meta"):
         model = type(usual)(usual.config)
@@ -77,11 +82,13 @@ def _rank_meta_device(rank: int, world: int) -> float:
     model.model.rotary_emb = type(model.model.rotary_emb)(model.config)
     model.load_state_dict(usual.state_dict())
     input_ids = torch.randint(0, VOCAB, TOKENS, generator=torch.Generator().manual_seed(rank))
-    return (model(input_ids).logits - usual(input_ids).logits).abs().max().item()
+    return rel_err(model(input_ids).logits, unmodified(input_ids).logits)
 
 
 def test_a_model_built_on_the_meta_device_loads_only_its_experts():
-    assert run_ranks(_rank_meta_device, WORLD, timeout_s=120) == [0.0, 0.0]
+    errors = run_ranks(_rank_meta_device, WORLD, timeout_s=120)
+    # float32 both ways; only the summation order differs.
+    assert all(error < 1e-5 for error in errors), errors
 
 
 def _rank_refusals(rank: int, world: int) -> dict:
