@@ -18,6 +18,7 @@ import moe_comm
 from layer_checks import BASE, TOLERANCE, layer_errors
 from moe_comm import protocol
 from multirank import run_ranks
+from requirements import require
 
 
 def _uneven_layers(rank: int, world: int) -> dict:
@@ -62,7 +63,7 @@ def _uneven_transformers(rank: int, world: int) -> dict:
 
 
 def test_transformers_model_with_uneven_batches_matches_the_unmodified_model():
-    pytest.importorskip("transformers")
+    require("transformers")
     for errors in run_ranks(_uneven_transformers, 2, timeout_s=180):
         assert errors["logits"] < 1e-5 and errors["grads"] < 1e-4, errors
 
