@@ -668,23 +668,40 @@ __device__ __forceinline__ u64 wait_tagged(const u64* p, u64 epoch, i64* status,
     return word;
 }
 
+// The first dispatch of this rank that met a peer's call of another tag (moe_comm/protocol.py).
+__device__ __forceinline__ void status_record_mismatch(i64* status, int peer, u32 peer_tag, int own_tag) {
+    const u64 word = (1ull << 62) | (static_cast<u64>(peer) << 24) | (static_cast<u64>(peer_tag) << 12) |
+                     static_cast<u64>(own_tag);
+    atomicCAS(reinterpret_cast<u64*>(status + STATUS_CALL_MISMATCH), 0ull, word);
+}
+
 // The count word of `epoch`'s parity (count_flag; count words are dispatch's, channel CH_TO_DEST)
 // from sender `peer`, at `epoch`: that sender's T, capped at M (waits for the word, wait_tagged).
+// Its call tag must be this call's `call_tag`: calls pair up by their order, and a peer's call of
+// another layer or batch slice means the ranks made different calls; that is recorded and the
+// group's abort word raised, so no rank sums what this call moves.
 __device__ __forceinline__ int tagged_count(i64 base, int world, int peer, u64 epoch, int max_tokens_per_rank,
-                                            i64* status, i64 timeout_ns) {
+                                            int call_tag, i64* status, i64 timeout_ns) {
     const u64 word = wait_tagged(count_flag(base, world, CH_TO_DEST, peer, epoch), epoch, status,
                                  TIMEOUT_TO_DEST_ARRIVAL, peer, timeout_ns);
-    const u32 count = static_cast<u32>(word);
+    const u32 value = static_cast<u32>(word);
+    const u32 peer_tag = value >> COUNT_BITS;
+    if (has_tag(word, epoch) && peer_tag != static_cast<u32>(call_tag)) {
+        status_record_mismatch(status, peer, peer_tag, call_tag);
+        raise_abort(status, ABORT_CALL_MISMATCH, peer);
+    }
+    const u32 count = value & ((1u << COUNT_BITS) - 1u);
     return count > static_cast<u32>(max_tokens_per_rank) ? max_tokens_per_rank : static_cast<int>(count);
 }
 
-// This rank's T at `epoch` into the count word of `epoch`'s parity in every rank's flags, released:
-// the peer that acquires it at `epoch` knows this rank finished every call before (its reads of the
-// slab copy the peer writes next among them).
-__device__ __forceinline__ void send_count_every_rank(const i64* s_peer, int rank, int world, u64 epoch, int count) {
+// This rank's T and call tag at `epoch` into the count word of `epoch`'s parity in every rank's
+// flags, released: the peer that acquires it at `epoch` knows this rank finished every call before
+// (its reads of the slab copy the peer writes next among them).
+__device__ __forceinline__ void send_count_every_rank(const i64* s_peer, int rank, int world, u64 epoch, int count,
+                                                      int call_tag) {
+    const u32 value = static_cast<u32>(count) | (static_cast<u32>(call_tag) << COUNT_BITS);
     for (int r = threadIdx.x; r < world; r += blockDim.x) {
-        remote_st64_release(count_flag(s_peer[r], world, CH_TO_DEST, rank, epoch),
-                            tagged_word(static_cast<u32>(count), epoch), r);
+        remote_st64_release(count_flag(s_peer[r], world, CH_TO_DEST, rank, epoch), tagged_word(value, epoch), r);
     }
 }
 

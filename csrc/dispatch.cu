@@ -247,7 +247,7 @@ __device__ __forceinline__ TokenRoute route_token(const void* topk_idx, int idx_
 // Block-wide, block `meta_block` of meta_blocks, one warp per token: the metadata row of every token t < T
 // into recv_meta[R][t] of every rank as tagged words (with write_rows; the one-rank kernel's layout
 // reads the routing itself), send_mask and dest_rank, and the invalid expert ids; block 0 first
-// writes T into every rank's count word. (One copy:) every warp first waits until ack[0][r] >= e - 1
+// writes T and the call's tag into every rank's count word. (One copy:) every warp first waits until ack[0][r] >= e - 1
 // for every rank r (r has finished reading what this rank sent it at the previous epoch), its
 // first token's inputs loading meanwhile; so every store of the block after its next barrier (the
 // flags, the senders' rows) is safe.
@@ -255,7 +255,7 @@ __device__ __forceinline__ void send_metadata(const i64* s_peer, int rank, int w
                                               i64* status, i64 timeout_ns, i64 off_meta, int num_experts,
                                               int meta_block, int meta_blocks, const void* topk_idx, int idx_is_64,
                                               const float* topk_weights, int num_tokens, u8* send_mask,
-                                              i32* dest_rank, bool wait_for_acks, bool write_rows) {
+                                              i32* dest_rank, bool wait_for_acks, bool write_rows, int call_tag) {
     const int lane = threadIdx.x & 31;
     const int warps = blockDim.x >> 5;
     const int num_local_experts = num_experts / world;
@@ -267,7 +267,7 @@ __device__ __forceinline__ void send_metadata(const i64* s_peer, int rank, int w
         acked = true;
     };
     // The count words have a word per parity and are never acked: a peer read this one at e - 2.
-    if (write_rows && meta_block == 0) send_count_every_rank(s_peer, rank, world, epoch, num_tokens);
+    if (write_rows && meta_block == 0) send_count_every_rank(s_peer, rank, world, epoch, num_tokens, call_tag);
     for (int t = meta_block * warps + (threadIdx.x >> 5); t < num_tokens; t += meta_blocks * warps) {
         const i64 expert = load_expert_id(topk_idx, idx_is_64, t);
         const u32 weight = lane < TOPK ? __float_as_uint(topk_weights[static_cast<i64>(t) * TOPK + lane]) : 0u;
@@ -376,12 +376,12 @@ __device__ __forceinline__ void zero_next_call_tickets(u64* state, u64 epoch) {
     const float* __restrict__ x_scales, const void* __restrict__ topk_idx, int idx_is_64,                          \
     const float* __restrict__ topk_weights, int num_tokens, u8* __restrict__ send_mask,                            \
     i32* __restrict__ dest_rank, i32* recv_pos, float* recv_weight, i32* expert_offsets, i32* tokens_per_expert,   \
-    void* __restrict__ out_x
+    void* __restrict__ out_x, int call_tag
 #define DISPATCH_ARGS                                                                                              \
     peers, rank, world, max_tokens_per_rank, state, status, timeout_ns, off_meta, off_recv_x, copy_stride,         \
     num_experts, chunk_tokens, num_local_experts, alignment, zero_pad, capacity, block_counts, barrier_flags,      \
     capacity_rows, num_senders, layout_blocks, x, quantize, x_scales, topk_idx, idx_is_64, topk_weights,           \
-    num_tokens, send_mask, dest_rank, recv_pos, recv_weight, expert_offsets, tokens_per_expert, out_x
+    num_tokens, send_mask, dest_rank, recv_pos, recv_weight, expert_offsets, tokens_per_expert, out_x, call_tag
 
 // One block per SM (gridDim.x <= SMs: blocks wait for each other). Blocks [0, num_senders) send;
 // the blocks after them (the early group; every block when all send), the last layout_blocks of
@@ -433,7 +433,7 @@ __device__ __forceinline__ void dispatch_call(DISPATCH_PARAMS) {
     if (block >= meta_first && block < meta_first + meta_blocks) {
         send_metadata(s_peer, rank, world, max_tokens_per_rank, epoch, status, timeout_ns, off_meta, num_experts,
                       block - meta_first, meta_blocks, topk_idx, idx_is_64, topk_weights, num_tokens, send_mask,
-                      dest_rank, acks_needed(copy_stride), !kOneRank);
+                      dest_rank, acks_needed(copy_stride), !kOneRank, call_tag);
     }
     if (block < num_senders) {
         send_token_rows(state, s_peer, rank, world, max_tokens_per_rank, epoch, off_recv_x, num_experts, num_senders,
@@ -445,7 +445,7 @@ __device__ __forceinline__ void dispatch_call(DISPATCH_PARAMS) {
     __shared__ i32 s_tokens[MAX_WORLD];
     __shared__ i64 s_begin[MAX_WORLD + 1];
     const EntrySource<kOneRank> entries{s_peer[rank] + off_meta, epoch, status, timeout_ns, topk_idx, idx_is_64,
-                                        topk_weights, num_tokens};
+                                        topk_weights, num_tokens, call_tag};
     const LayoutShared shared = layout_shared(smem, num_local_experts);
     const ExpandRoles roles = expand_roles(early, layout_first, grid, world, num_tokens, replicated, zero_pad != 0);
     if (block >= early) {
@@ -569,7 +569,8 @@ extern "C" __global__ void __launch_bounds__(DISPATCH_THREADS) redispatch(
     off_recv_x += slab_copy(epoch, copy_stride);
     const OwnRows own{static_cast<const u8*>(x), nullptr, false, 0, num_tokens};
 
-    if (blockIdx.x == 0 && world > 1) send_count_every_rank(s_peer, rank, world, epoch, num_tokens);
+    // No receiver of a redispatch reads its count (it follows the routing): tag 0.
+    if (blockIdx.x == 0 && world > 1) send_count_every_rank(s_peer, rank, world, epoch, num_tokens, 0);
     if (static_cast<int>(blockIdx.x) < num_senders) {
         if (acks_needed(copy_stride)) {
             block_wait_flags(s_peer[rank], world, CH_TO_DEST, FLAG_ACK, epoch - 1, status, TIMEOUT_TO_DEST_ACK,

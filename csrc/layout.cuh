@@ -48,6 +48,7 @@ struct EntrySource {
     int idx_is_64;
     const float* topk_weights;  // kRouting: [T, K]
     int num_tokens;             // kRouting: T
+    int call_tag;               // this call's tag, which every peer's count word must carry (tagged_count)
 
     // Issues the loads of entry (g, k); nothing waits for them here.
     __device__ __forceinline__ RawEntry load(i64 g, int k, bool with_weights) const {
@@ -91,7 +92,7 @@ struct EntrySource {
     // T_p, capped at M.
     __device__ __forceinline__ int tokens(i64 base, int world, int p, int max_tokens_per_rank) const {
         if (kRouting) return num_tokens > max_tokens_per_rank ? max_tokens_per_rank : num_tokens;
-        return tagged_count(base, world, p, epoch, max_tokens_per_rank, status, timeout_ns);
+        return tagged_count(base, world, p, epoch, max_tokens_per_rank, call_tag, status, timeout_ns);
     }
 };
 

@@ -161,6 +161,7 @@ class Dispatcher:
         # What check() found when the group's calls went out of step (a timeout, an abort); every call
         # raises it until reset().
         self._failure: Optional[str] = None
+        self._call_sites = itertools.count()
 
     def _check_same_config(self) -> list[tuple[str, str]]:
         """Compare the configs of all ranks (one gather); returns every rank's host identity.
@@ -208,8 +209,21 @@ class Dispatcher:
     def _capturing(self) -> bool:
         return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
+    def new_call_site(self) -> int:
+        """A number for a caller that dispatches on this Dispatcher (a layer), 0, 1, 2, ... in the order asked.
+
+        Collective by convention: every rank builds its layers in the same order, so a layer gets the
+        same number on every rank; :meth:`call_tag` turns it and a batch slice into a ``call_tag``.
+        """
+        return next(self._call_sites)
+
+    @staticmethod
+    def call_tag(site: int, batch_slice: int = 0) -> int:
+        """The ``call_tag`` of batch slice ``batch_slice`` of call site ``site`` (distinct for 64 sites x 64 slices)."""
+        return (site * 64 + batch_slice) % protocol.CALL_TAG_LIMIT
+
     def dispatch(self, x: Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]], topk_idx: torch.Tensor,
-                 topk_weights: torch.Tensor) -> DispatchOutput:
+                 topk_weights: torch.Tensor, *, call_tag: int = 0) -> DispatchOutput:
         """Send every token to the ranks holding its experts and lay the rows out expert-major.
 
         Args:
@@ -220,6 +234,10 @@ class Dispatcher:
             topk_idx: ``[T, K]`` int32/int64 global expert ids in ``[0, num_experts)``, or -1 for none.
                 Other values are dropped and recorded in the device status (see :meth:`check`).
             topk_weights: ``[T, K]`` float32 router weights (used by :meth:`combine`).
+            call_tag: an int in ``[0, 4096)`` that the paired call of every rank must carry too (calls pair
+                up by their order; the library's layers pass :meth:`call_tag` of their layer and batch
+                slice): a call that meets a peer's call of another tag fails on every rank, reported by
+                :meth:`check`, instead of summing another layer's rows. Not checked under torch.compile.
 
         Returns:
             A :class:`DispatchOutput`; differentiable with respect to ``x`` (FP8 dispatch: through
@@ -227,6 +245,10 @@ class Dispatcher:
         """
         backend = self._live_backend()
         cfg = self.config
+        if not torch.compiler.is_compiling():
+            if isinstance(call_tag, bool) or not isinstance(call_tag, int) or not 0 <= call_tag < protocol.CALL_TAG_LIMIT:
+                raise InputError(f"call_tag: expected an int in [0, {protocol.CALL_TAG_LIMIT}), got {call_tag!r}")
+            backend.call_tag = call_tag
         if cfg.dispatch_dtype is not None:
             return self._dispatch_fp8(backend, x, topk_idx, topk_weights)
         if isinstance(x, tuple):
@@ -421,7 +443,15 @@ class Dispatcher:
                 f"rank {self.rank} timed out after {self.config.timeout_s} s in {report.timeout_phase} "
                 f"({peer}); results of that step are invalid"
             )
-        if report.abort is not None and not report.timeout_phase:
+        if report.call_mismatch is not None:
+            mismatch = report.call_mismatch
+            problems.append(
+                f"rank {self.rank}'s dispatch (call tag {mismatch.own_tag}) met a call of another layer or batch slice "
+                f"on rank {mismatch.peer} (call tag {mismatch.peer_tag}): the ranks made different calls (every rank "
+                "must make the same dispatch/combine calls in the same order, e.g. the same number of forwards); its "
+                "results are invalid"
+            )
+        elif report.abort is not None and not report.timeout_phase:
             problems.append(
                 f"rank {self.rank}'s calls were aborted because {report.abort.describe()}; results of this rank's "
                 "calls since then are invalid"

@@ -318,7 +318,7 @@ class DispatchKernels:
                 (num_local_experts, _I), (expert_alignment, _I), (int(zero_padding), _I), (capacity, _I),
                 (self._block_counts.data_ptr(), _P), (self._barrier_flags.data_ptr(), _P), (capacity_rows, _I),
             ),
-            (_I, _I, _P, _I, _P, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _P),
+            (_I, _I, _P, _I, _P, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _P, _I),
         )
         self._redispatch_params = kernel_params(
             prefix + ((regions.recv_x_offset, _L), (regions.copy_stride, _L), (capacity_rows, _I)),
@@ -347,6 +347,7 @@ class DispatchKernels:
         *,
         quantize: bool = False,
         x_scales: Optional[torch.Tensor] = None,
+        call_tag: int = 0,
     ) -> None:
         """One dispatch. In: ``x [T, H]``, ``topk_idx [T, K]`` int32/int64, ``topk_weights [T, K]`` float32.
         Out (filled by the kernel): the routing's four tensors (source side ``send_mask``, ``dest_rank``;
@@ -355,7 +356,8 @@ class DispatchKernels:
         ``out_x`` holds packed FP8 rows, and ``x`` too, or with ``quantize`` rows that the kernel
         builds packed rows from as it sends and expands them: rows of the build's dtype, quantized,
         or with ``x_scales [T, H / 128]`` float32 (contiguous) e4m3 rows ``x [T, H]`` (contiguous,
-        16-byte aligned), copied with their scales."""
+        16-byte aligned), copied with their scales. ``call_tag`` (< ``protocol.CALL_TAG_LIMIT``): every
+        peer's call paired with this one must carry it (``protocol.COUNT_BITS``)."""
         num_tokens = x.shape[0]
         # At world 1 no row leaves the rank: no block is held back to send, every one lays out and expands.
         senders = self._senders(num_tokens) if self._world_size > 1 else 0
@@ -367,7 +369,7 @@ class DispatchKernels:
             topk_idx.data_ptr(),
             1 if topk_idx.dtype == torch.int64 else 0,
             topk_weights.data_ptr(), num_tokens, routing.send_mask, routing.dest_rank, routing.recv_pos,
-            routing.recv_weight, expert_offsets.data_ptr(), tokens_per_expert.data_ptr(), out_x.data_ptr(),
+            routing.recv_weight, expert_offsets.data_ptr(), tokens_per_expert.data_ptr(), out_x.data_ptr(), call_tag,
         ))
         self._dispatch.launch(self._grid, protocol.DISPATCH_THREADS, params, shared_bytes=self._shared)
 

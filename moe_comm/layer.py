@@ -283,6 +283,8 @@ class MoELayer(nn.Module):
         self.seed = seed
         self._owns_dispatcher = dispatcher is None
         self.dispatcher = Dispatcher(config, group) if dispatcher is None else dispatcher
+        # Layers are built in the same order on every rank: the site, and so each call's tag, agree.
+        self._call_site = self.dispatcher.new_call_site()
         disp = self.dispatcher
         device = disp.device
         first = disp.rank * disp.num_local_experts
@@ -413,11 +415,13 @@ class MoELayer(nn.Module):
         terms = list(self.aux_losses.values())
         self.aux_loss = sum(terms[1:], terms[0]) if terms else None
 
-    def _dispatch_experts_combine(self, tokens: torch.Tensor, topk_idx: torch.Tensor,
+    def _dispatch_experts_combine(self, batch_slice: int, tokens: torch.Tensor, topk_idx: torch.Tensor,
                                   topk_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One dispatch -> experts -> combine of at most ``max_tokens_per_rank`` tokens: ``[T, H]`` and ``tokens_per_expert``."""
+        """One dispatch -> experts -> combine of at most ``max_tokens_per_rank`` tokens (batch slice
+        ``batch_slice`` of the forward): ``[T, H]`` and ``tokens_per_expert``."""
         with self._phase("dispatch"):
-            out = self.dispatcher.dispatch(tokens, topk_idx, topk_weights)
+            out = self.dispatcher.dispatch(tokens, topk_idx, topk_weights,
+                                           call_tag=Dispatcher.call_tag(self._call_site, batch_slice))
         # FP8 dispatch: the experts run on the dequantized rows (gradients straight through, see Dispatcher.dequantize).
         y = self.experts(self.dispatcher.dequantize(out), out.expert_offsets)
         with self._phase("combine"):
@@ -447,8 +451,8 @@ class MoELayer(nn.Module):
         else:
             self.aux_loss, self.aux_losses = None, {}
         # Batch slices of max_tokens_per_rank, as many on every rank (Dispatcher.split_batch).
-        pieces = [self._dispatch_experts_combine(*parts)
-                  for parts in self.dispatcher.split_batch(tokens, topk_idx, topk_weights)]
+        pieces = [self._dispatch_experts_combine(i, *parts)
+                  for i, parts in enumerate(self.dispatcher.split_batch(tokens, topk_idx, topk_weights))]
         z = pieces[0][0] if len(pieces) == 1 else torch.cat([piece for piece, _ in pieces])
         counts = [count for _, count in pieces]
         self.last_tokens_per_expert = sum(counts[1:], counts[0])

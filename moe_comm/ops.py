@@ -62,6 +62,14 @@ def _backend(dispatcher_id: int) -> Backend:
     return backend
 
 
+def _untagged(dispatcher_id: int) -> Backend:
+    """The backend for a compiled dispatch, whose call carries tag 0: the Dispatcher sets a call's tag on
+    the host, which a compiled graph does not run (tags are checked between eager and captured calls)."""
+    backend = _backend(dispatcher_id)
+    backend.call_tag = 0
+    return backend
+
+
 def _routing(send_mask: Tensor, dest_rank: Tensor, recv_pos: Tensor, recv_weight: Tensor) -> Routing:
     return Routing(send_mask.shape[0], send_mask, dest_rank, recv_pos, recv_weight)
 
@@ -74,7 +82,7 @@ def _dispatch_op(
     x: Tensor, topk_idx: Tensor, topk_weights: Tensor, dispatcher_id: int
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns ``out.x``, ``expert_offsets``, ``tokens_per_expert`` and the routing's four tensors."""
-    result = _backend(dispatcher_id).dispatch(kernel_rows(x), topk_idx, topk_weights, separate_outputs=True)
+    result = _untagged(dispatcher_id).dispatch(kernel_rows(x), topk_idx, topk_weights, separate_outputs=True)
     routing = result.routing
     return (result.x, result.expert_offsets, result.tokens_per_expert, routing.send_mask, routing.dest_rank,
             routing.recv_pos, routing.recv_weight)
@@ -139,7 +147,7 @@ def _dispatch_fp8_op(
     Not differentiable: the gradient reaches ``x`` through :func:`dequantize_fp8` (straight through).
     """
     scales = None if x_scales is None else x_scales.contiguous()
-    result = _fp8_codecs[dispatcher_id].dispatch(_backend(dispatcher_id), kernel_rows(x), scales, topk_idx,
+    result = _fp8_codecs[dispatcher_id].dispatch(_untagged(dispatcher_id), kernel_rows(x), scales, topk_idx,
                                                  topk_weights, separate_outputs=True)
     routing = result.routing
     return (result.x, result.expert_offsets, result.tokens_per_expert, routing.send_mask, routing.dest_rank,

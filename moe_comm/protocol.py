@@ -30,10 +30,15 @@ __all__ = [
     "STATUS_FIRST_INVALID_CALL",
     "STATUS_FIRST_DROPPED_CALL",
     "STATUS_ABORT",
+    "STATUS_CALL_MISMATCH",
     "STATUS_FIELDS",
     "NO_OFFENDER",
     "ABORT_RAISED",
     "ABORT_NO_PEER",
+    "ABORT_CALL_MISMATCH",
+    "ABORT_REASONS",
+    "COUNT_BITS",
+    "CALL_TAG_LIMIT",
     "CH_TO_DEST",
     "CH_TO_SOURCE",
     "CHANNELS",
@@ -77,10 +82,13 @@ __all__ = [
     "FP8_PACK_OWN_MAX_TOKENS",
     "LAYOUT_SHARED_LIMIT",
     "AbortReport",
+    "CallMismatch",
     "StatusReport",
     "SymmetricRegions",
     "cuda_header",
     "decode_abort",
+    "decode_call_mismatch",
+    "encode_call_mismatch",
     "decode_status",
     "meta_words",
     "new_status",
@@ -101,7 +109,8 @@ STATUS_TIMEOUT_PEER = 5    # the peer that wait was waiting for
 STATUS_FIRST_INVALID_CALL = 6  # the call of the first invalid assignment
 STATUS_FIRST_DROPPED_CALL = 7  # the call of the first dropped assignment
 STATUS_ABORT = 8           # the abort word a call of this rank found raised (0: none), see below
-STATUS_FIELDS = 9
+STATUS_CALL_MISMATCH = 9   # 1 << 62 | peer << 24 | peer's call tag << 12 | own call tag of the first mismatch, 0 if none
+STATUS_FIELDS = 10
 NO_OFFENDER = (1 << 63) - 1
 
 # ------------------------------------------------------------------------------------ the abort word
@@ -114,6 +123,14 @@ NO_OFFENDER = (1 << 63) - 1
 # (ABORT_NO_PEER: none) | the failing rank.
 ABORT_RAISED = 1 << 63
 ABORT_NO_PEER = 0xFFFF
+
+# Calls pair up across ranks by their order; each dispatch carries a call tag (0 <= tag <
+# CALL_TAG_LIMIT, Dispatcher.dispatch's call_tag: the library's layers pass their layer and batch
+# slice) in the top bits of its count word, below them the sender's T (< 2**COUNT_BITS). A receiver
+# whose own tag differs records STATUS_CALL_MISMATCH and raises the abort word with the reason
+# ABORT_CALL_MISMATCH: the ranks made different calls, and no result of that call is summed.
+COUNT_BITS = 20
+CALL_TAG_LIMIT = 1 << 12
 
 # ---------------------------------------------------------------------------- channels and flags
 
@@ -143,12 +160,21 @@ TIMEOUT_TO_SOURCE_ARRIVAL = 4
 # kernels held the SMs past timeout_ns.
 TIMEOUT_GRID_BARRIER = 5
 
+# Not a timeout, a reason an abort word can carry: a dispatch met a peer's call of another tag.
+ABORT_CALL_MISMATCH = 6
+
 TIMEOUT_PHASES = {
     TIMEOUT_TO_DEST_ACK: "dispatch: waiting for a peer to free its receive slab",
     TIMEOUT_TO_DEST_ARRIVAL: "dispatch: waiting for a peer's tokens",
     TIMEOUT_TO_SOURCE_ACK: "combine: waiting for a peer to free its return slab",
     TIMEOUT_TO_SOURCE_ARRIVAL: "combine: waiting for a peer's partial sums",
     TIMEOUT_GRID_BARRIER: "a kernel's blocks waiting for each other (other kernels held the SMs?)",
+}
+
+# Why an abort word was raised: a timeout phase, or a call that met a peer's call of another tag.
+ABORT_REASONS = {
+    **TIMEOUT_PHASES,
+    ABORT_CALL_MISMATCH: "dispatch: it met a peer's call of another layer or batch slice",
 }
 
 # ---------------------------------------------------------------------------------- state words
@@ -225,7 +251,7 @@ _HEADER_GROUPS = (
     ("Status word: int64 [STATUS_FIELDS]; the first-offender fields hold the smallest (rank << 32 | token)",
      ("STATUS_NUM_INVALID", "STATUS_FIRST_INVALID", "STATUS_NUM_DROPPED", "STATUS_FIRST_DROPPED",
       "STATUS_TIMEOUT_PHASE", "STATUS_TIMEOUT_PEER", "STATUS_FIRST_INVALID_CALL", "STATUS_FIRST_DROPPED_CALL",
-      "STATUS_ABORT", "STATUS_FIELDS", "NO_OFFENDER")),
+      "STATUS_ABORT", "STATUS_CALL_MISMATCH", "STATUS_FIELDS", "NO_OFFENDER")),
     ("The abort word: ABORT_RAISED | phase << 32 | waited-for peer << 16 | failing rank",
      ("ABORT_RAISED", "ABORT_NO_PEER")),
     ("Channels: CH_TO_DEST carries dispatch and redispatch, CH_TO_SOURCE combine and the values kernels",
@@ -237,6 +263,9 @@ _HEADER_GROUPS = (
      "for an arrival",
      ("TIMEOUT_TO_DEST_ACK", "TIMEOUT_TO_DEST_ARRIVAL", "TIMEOUT_TO_SOURCE_ACK", "TIMEOUT_TO_SOURCE_ARRIVAL",
       "TIMEOUT_GRID_BARRIER")),
+    ("Call tags: a count word's value is T | call tag << COUNT_BITS; ABORT_CALL_MISMATCH is the abort reason of a "
+     "mismatch",
+     ("COUNT_BITS", "CALL_TAG_LIMIT", "ABORT_CALL_MISMATCH")),
     ("Local state, u64 [STATE_WORDS]: epochs per channel, done-counters per slot, then per chunk, then "
      "dispatch's batch tickets per claim (arrivals, padding) and epoch parity",
      ("STATE_EPOCH", "STATE_DONE", "STATE_CHUNK_DONE", "STATE_CLAIM", "CLAIM_ARRIVALS", "CLAIM_PADDING",
@@ -290,15 +319,19 @@ def cuda_header() -> str:
 class AbortReport:
     """A raised abort word (see ``ABORT_RAISED``): which rank failed, in which phase, waiting for which peer.
 
-    failed_rank: the rank whose wait ran past ``timeout_s``. phase: that wait's name (``TIMEOUT_PHASES``).
-    peer: the rank it waited for, or None (a kernel's own blocks).
+    failed_rank: the rank whose wait ran past ``timeout_s`` (or whose dispatch met a call of another tag:
+    ``mismatch``). phase: why (``ABORT_REASONS``). peer: the rank it waited for or met, or None (a kernel's
+    own blocks).
     """
 
     failed_rank: int
     phase: str
     peer: Optional[int]
+    mismatch: bool = False
 
     def describe(self) -> str:
+        if self.mismatch:
+            return f"rank {self.failed_rank}'s dispatch met a call of another layer or batch slice of rank {self.peer}"
         peer = "" if self.peer is None else f", waiting for rank {self.peer}"
         return f"rank {self.failed_rank} timed out in {self.phase}{peer}"
 
@@ -310,8 +343,29 @@ def decode_abort(word: int) -> Optional[AbortReport]:
         return None
     phase = (word >> 32) & 0xFF
     peer = (word >> 16) & 0xFFFF
-    return AbortReport(failed_rank=word & 0xFFFF, phase=TIMEOUT_PHASES.get(phase, f"phase {phase}"),
-                       peer=None if peer == ABORT_NO_PEER else peer)
+    return AbortReport(failed_rank=word & 0xFFFF, phase=ABORT_REASONS.get(phase, f"phase {phase}"),
+                       peer=None if peer == ABORT_NO_PEER else peer, mismatch=phase == ABORT_CALL_MISMATCH)
+
+
+@dataclass(frozen=True)
+class CallMismatch:
+    """A dispatch that met a peer's call of another tag: the peer, its tag and this rank's."""
+
+    peer: int
+    peer_tag: int
+    own_tag: int
+
+
+def decode_call_mismatch(word: int) -> Optional[CallMismatch]:
+    """The report of a ``STATUS_CALL_MISMATCH`` field, None when it holds none."""
+    if not word:
+        return None
+    return CallMismatch(peer=(word >> 24) & 0xFFFF, peer_tag=(word >> 12) & 0xFFF, own_tag=word & 0xFFF)
+
+
+def encode_call_mismatch(peer: int, peer_tag: int, own_tag: int) -> int:
+    """The ``STATUS_CALL_MISMATCH`` field of a mismatch (``status_record_mismatch`` in csrc/common.cuh)."""
+    return 1 << 62 | peer << 24 | peer_tag << 12 | own_tag
 
 
 @dataclass(frozen=True)
@@ -328,6 +382,7 @@ class StatusReport:
         (None also when the transport cannot tell which peer is missing: a collective with more than two ranks).
     abort: the group's abort word as a call of this rank found it raised (a rank failed, possibly this
         one), or None: calls since then gave up their waits and their results are invalid.
+    call_mismatch: the first dispatch of this rank that met a peer's call of another call tag, or None.
     """
 
     num_invalid: int
@@ -339,16 +394,18 @@ class StatusReport:
     timeout_phase: Optional[str]
     timeout_peer: Optional[int]
     abort: Optional[AbortReport] = None
+    call_mismatch: Optional[CallMismatch] = None
 
     @property
     def ok(self) -> bool:
         """True when nothing was recorded."""
-        return not (self.num_invalid or self.num_dropped or self.timeout_phase or self.abort)
+        return not (self.num_invalid or self.num_dropped or self.broken)
 
     @property
     def broken(self) -> bool:
-        """True when the group's calls are out of step (a timeout or an abort): only a reset or a rebuild helps."""
-        return bool(self.timeout_phase or self.abort)
+        """True when the group's calls are out of step (a timeout, an abort, calls that did not pair up):
+        only a reset or a rebuild helps."""
+        return bool(self.timeout_phase or self.abort or self.call_mismatch)
 
 
 def _offender(key: int) -> Optional[tuple[int, int]]:
@@ -376,6 +433,7 @@ def decode_status(values: Sequence[int], warm_up_calls: int = 0) -> StatusReport
         timeout_phase=TIMEOUT_PHASES.get(phase, f"phase {phase}") if phase else None,
         timeout_peer=values[STATUS_TIMEOUT_PEER] if phase else None,
         abort=decode_abort(values[STATUS_ABORT]),
+        call_mismatch=decode_call_mismatch(values[STATUS_CALL_MISMATCH]),
     )
 
 

@@ -4,7 +4,8 @@ The CPU half of issue #54 on the ``reference`` backend (gloo, two ranks): batche
 per rank through two ``MoELayer``s sharing one Dispatcher and through a transformers model made
 expert-parallel (before ``Dispatcher.split_batch`` the rank with fewer slices paired its next
 layer's call with its peer's second slice and returned wrong numbers with no error); and the
-Dispatcher's failure latch: a status that says the group's calls were aborted makes ``check()``
+Dispatcher's failure latch: calls of different layers that meet (their call tags differ) and a
+status that says the group's calls were aborted makes ``check()``
 raise, every later call raise at once, and a collective ``reset()`` bring the ranks back in step.
 ``tests/test_gpu_faults.py`` runs the device kernels' side (the abort word) on the GPU backends.
 """
@@ -102,6 +103,34 @@ def _failure_latch_and_reset(rank: int, world: int) -> str:
 
 def test_a_group_failure_latches_until_a_collective_reset():
     assert run_ranks(_failure_latch_and_reset, 2, timeout_s=60) == ["ok", "ok"]
+
+
+def _layers_in_different_orders(rank: int, world: int) -> str:
+    cfg = moe_comm.load_config(None, backend="reference", dtype="float32", **BASE)
+    x = torch.randn(8, cfg.hidden, generator=torch.Generator().manual_seed(rank))
+    with moe_comm.Dispatcher(cfg) as disp:
+        first, second = (moe_comm.MoELayer(cfg, 8, dispatcher=disp, seed=seed) for seed in (1, 2))
+        for layer in (first, second):  # in step: the tags agree
+            layer(x)
+        disp.check()
+        with pytest.raises(moe_comm.InputError, match=r"call_tag: expected an int in \[0, 4096\), got 4096"):
+            disp.dispatch(x, torch.zeros(8, cfg.topk, dtype=torch.int64), torch.ones(8, cfg.topk), call_tag=4096)
+        # Rank 1 runs the layers in the other order: each call meets the other layer's call.
+        for layer in (first, second) if rank == 0 else (second, first):
+            layer(x)
+        peer_tag, own_tag = (disp.call_tag(1), disp.call_tag(0)) if rank == 0 else (disp.call_tag(0), disp.call_tag(1))
+        with pytest.raises(moe_comm.GroupFailedError,
+                           match=rf"rank {rank}'s dispatch \(call tag {own_tag}\) met a call of another layer or batch "
+                                 rf"slice on rank {1 - rank} \(call tag {peer_tag}\): the ranks made different calls"):
+            disp.check()
+        disp.reset()
+        first(x)
+        disp.check()
+    return "ok"
+
+
+def test_calls_of_different_layers_fail_on_every_rank():
+    assert run_ranks(_layers_in_different_orders, 2, timeout_s=60) == ["ok", "ok"]
 
 
 def test_abort_word_decoding():

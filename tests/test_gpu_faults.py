@@ -5,7 +5,8 @@ abort word; the other backends need a GPU per rank. Scenarios, each a spawn:
 
 * a skipped step, then calls continued on the same Dispatcher (the timed-out rank's next call raises
   at once; its peer's next call gives up its waits and its ``check()`` raises), then ``reset()`` and
-  a step bitwise equal to a fresh Dispatcher's;
+  a step bitwise equal to a fresh Dispatcher's; then calls of different call tags that meet (another
+  layer's call): reported on both ranks, and right again after ``reset()``;
 * a peer killed (SIGKILL) mid-step, eager and during graph replay: the survivor's ``check()`` names
   the phase and the peer within ``timeout_s`` and a few seconds, and it closes cleanly;
 * two Dispatchers in flight on two streams issued in opposite orders on the two ranks: with grids
@@ -117,6 +118,14 @@ def _skip_continue_reset(rank: int, world: int, name: str, section: dict) -> dic
         want = _step(fresh, x, idx, w)
         fresh.check()
     outcome["bitwise_after_reset"] = torch.equal(_bits(got), _bits(want))
+    # Calls of different layers (call tags 5 and 6) that meet: reported on both ranks, nothing summed silently.
+    out = disp.dispatch(x, idx, w, call_tag=5 + rank)
+    disp.combine(out.x, out.handle)
+    with pytest.raises(moe_comm.GroupFailedError, match=rf"\(call tag {5 + rank}\) met a call of another layer"):
+        disp.check()
+    disp.reset()
+    outcome["bitwise_after_mismatch"] = torch.equal(_bits(_step(disp, x, idx, w)), _bits(want))
+    disp.check()
     dist.barrier(group=gloo)
     disp.close()
     return outcome
@@ -130,7 +139,7 @@ def test_a_timeout_fails_every_rank_until_reset(backend_id, requires_gpus):
     per_rank = run_ranks(_skip_continue_reset, 2, name, section, reuse=backend_id,
                          dist_backend=dist_backend_for(2, gpus), gpu=True, timeout_s=120)
     for outcome in per_rank:
-        assert outcome["bitwise_after_reset"], per_rank
+        assert outcome["bitwise_after_reset"] and outcome["bitwise_after_mismatch"], per_rank
         assert outcome["continued_s"] < 1.0, f"a call after the failure waited: {per_rank}"
 
 

@@ -56,6 +56,9 @@ class Backend(abc.ABC):
         # Dispatch/redispatch calls the constructor made itself (a warm-up): the status word's call
         # numbers count them, the user's calls come after.
         self.warm_up_calls = 0
+        # The call tag of the next dispatch (protocol.CALL_TAG_LIMIT): the Dispatcher sets it before each
+        # call; a peer's paired call must carry the same one, or the call fails on every rank.
+        self.call_tag = 0
         # Whether dispatch takes quantize=True (its kernels build FP8 rows as they send them, from
         # config-dtype rows or from a pre-quantized pair).
         self.quantizes_fp8 = False

@@ -228,11 +228,15 @@ class CollectiveBackend(Backend):
             topk_idx, cfg.num_experts, self.world_size, self.rank, self.status, self._call
         )
         num_tokens = x.shape[0]
+        # One row more than the slab's M: the call tag, which every peer's paired call must carry.
         expert_slabs = torch.full(
-            (self.world_size, cfg.max_tokens_per_rank, cfg.topk), -1, dtype=torch.int32, device=x.device
+            (self.world_size, cfg.max_tokens_per_rank + 1, cfg.topk), -1, dtype=torch.int32, device=x.device
         )
         expert_slabs[:, :num_tokens] = slab_expert
-        recv_expert = self._exchange(expert_slabs, "dispatch: all_to_all_single of expert ids")
+        expert_slabs[:, -1] = self.call_tag
+        received = self._exchange(expert_slabs, "dispatch: all_to_all_single of expert ids")
+        recv_expert = received[:, :-1]
+        self._check_call_tags(received[:, -1, 0])
         recv_weight = self._send_tokens(topk_weights, send_mask, "dispatch: all_to_all_single of router weights")
         recv_rows = self._send_tokens(x, send_mask, "dispatch: all_to_all_single of token rows")
         plan = plan_destination(
@@ -241,6 +245,18 @@ class CollectiveBackend(Backend):
         routing = Routing(num_tokens, send_mask, dest_rank, plan.recv_pos, recv_weight)
         out_x = expand_rows(recv_rows, plan.recv_pos, self.capacity_rows, cfg.zero_padding)
         return DispatchResult(out_x, plan.expert_offsets, plan.tokens_per_expert, routing)
+
+    def _check_call_tags(self, peer_tags: torch.Tensor) -> None:
+        """Record the first peer whose paired call carried another tag than this call's (on the device, no sync).
+
+        ``peer_tags``: ``[W]`` int32, each rank's call tag. The result of such a call is invalid on every
+        rank (each sees the other's tag), which ``Dispatcher.check`` reports.
+        """
+        differs = peer_tags != self.call_tag
+        peer = torch.argmax(differs.to(torch.int32)).to(torch.int64)
+        word = protocol.encode_call_mismatch(peer, peer_tags[peer].to(torch.int64), self.call_tag)
+        field = self.status[protocol.STATUS_CALL_MISMATCH:protocol.STATUS_CALL_MISMATCH + 1]
+        field.copy_(torch.where(differs.any() & (field == 0), word, field))
 
     def redispatch(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         self._call.add_(1)

@@ -218,6 +218,11 @@ class DeviceBackend(Backend):
             )
         if cfg.topk > protocol.MAX_TOPK:
             raise BackendError(f"the device kernels handle topk <= {protocol.MAX_TOPK}, the config has {cfg.topk}")
+        if cfg.max_tokens_per_rank >= 1 << protocol.COUNT_BITS:
+            raise BackendError(
+                f"the device kernels handle max_tokens_per_rank < {1 << protocol.COUNT_BITS} (a count word holds T in "
+                f"{protocol.COUNT_BITS} bits beside the call tag), the config has {cfg.max_tokens_per_rank}"
+            )
         entries = self.world_size * cfg.max_tokens_per_rank * cfg.topk
         if self.capacity_rows >= 2**31 or entries >= 2**31:
             raise BackendError(
@@ -326,7 +331,7 @@ class DeviceBackend(Backend):
             launcher = self._dispatch_kernels
             out_x = kernels.empty_rows(self.capacity_rows, x.shape[1], x.dtype, device)
         launcher.dispatch(x, topk_idx, topk_weights, _addresses(routing), expert_offsets, tokens_per_expert, out_x,
-                          quantize=quantize, x_scales=x_scales)
+                          quantize=quantize, x_scales=x_scales, call_tag=self.call_tag)
         return DispatchResult(out_x, expert_offsets, tokens_per_expert, routing)
 
     def redispatch(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
