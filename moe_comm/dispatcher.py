@@ -441,7 +441,8 @@ class Dispatcher:
             peer = "peer rank unknown" if report.timeout_peer is None else f"peer rank {report.timeout_peer}"
             problems.append(
                 f"rank {self.rank} timed out after {self.config.timeout_s} s in {report.timeout_phase} "
-                f"({peer}); results of that step are invalid"
+                f"({peer}); results of that step are invalid (the peer is slow or dead, or it made fewer calls: every "
+                "rank must make the same calls in the same order, e.g. generate the same number of tokens)"
             )
         if report.call_mismatch is not None:
             mismatch = report.call_mismatch

@@ -165,6 +165,9 @@ class CollectiveBackend(Backend):
         timed_out = "timed out" in detail.lower()
         what = f"timed out after {self.config.timeout_s} s" if timed_out else "failed"
         self._failure = f"rank {self.rank} {what} in {phase} ({self._describe_peer()}): {detail}"
+        if timed_out:
+            self._failure += ("; the peer is slow or dead, or it made fewer calls: every rank must make the same calls "
+                              "in the same order (e.g. generate the same number of tokens)")
         raise (CommTimeoutError if timed_out else BackendError)(self._failure) from exc
 
     def _forget_finished(self) -> None:
