@@ -65,6 +65,14 @@ def _gpus(backend_id: str, requires_gpus) -> int:
     return requires_gpus(gpus_needed(backend_id, 2))
 
 
+def _spawn(backend_id: str, fn, requires_gpus, timeout_s: float) -> list:
+    """Run ``fn`` on the 2 kept ranks of ``backend_id`` (skips without the GPUs)."""
+    gpus = _gpus(backend_id, requires_gpus)
+    name, section = GPU_BACKENDS[backend_id]
+    return run_ranks(fn, 2, name, section, reuse=backend_id, dist_backend=dist_backend_for(2, gpus), gpu=True,
+                     timeout_s=timeout_s)
+
+
 def _inputs(seed: int, device):
     generator = torch.Generator(device="cuda").manual_seed(seed)
     scores = torch.rand(MAX_TOKENS, NUM_EXPERTS, device=device, generator=generator)
@@ -134,10 +142,7 @@ def _skip_continue_reset(rank: int, world: int, name: str, section: dict) -> dic
 @pytest.mark.parametrize("backend_id", DEVICE_BACKENDS)
 @pytest.mark.kernels.with_args(_device_configs)
 def test_a_timeout_fails_every_rank_until_reset(backend_id, requires_gpus):
-    gpus = _gpus(backend_id, requires_gpus)
-    name, section = GPU_BACKENDS[backend_id]
-    per_rank = run_ranks(_skip_continue_reset, 2, name, section, reuse=backend_id,
-                         dist_backend=dist_backend_for(2, gpus), gpu=True, timeout_s=120)
+    per_rank = _spawn(backend_id, _skip_continue_reset, requires_gpus, timeout_s=120)
     for outcome in per_rank:
         assert outcome["bitwise_after_reset"] and outcome["bitwise_after_mismatch"], per_rank
         assert outcome["continued_s"] < 1.0, f"a call after the failure waited: {per_rank}"
@@ -244,10 +249,7 @@ def _two_in_flight(rank: int, world: int, name: str, section: dict) -> dict:
 @pytest.mark.parametrize("backend_id", DEVICE_BACKENDS)
 @pytest.mark.kernels.with_args(_device_configs)
 def test_two_dispatchers_in_flight_on_two_streams(backend_id, requires_gpus):
-    gpus = _gpus(backend_id, requires_gpus)
-    name, section = GPU_BACKENDS[backend_id]
-    per_rank = run_ranks(_two_in_flight, 2, name, section, reuse=backend_id, dist_backend=dist_backend_for(2, gpus),
-                         gpu=True, timeout_s=120)
+    per_rank = _spawn(backend_id, _two_in_flight, requires_gpus, timeout_s=120)
     assert all(outcome["bitwise"] for outcome in per_rank), per_rank
     assert all(outcome["full_grids"] in ("right", "reported") for outcome in per_rank), per_rank
 
@@ -336,10 +338,7 @@ def _fault_injection(rank: int, world: int, name: str, section: dict) -> dict:
 @pytest.mark.parametrize("backend_id", DEVICE_BACKENDS)
 @pytest.mark.kernels.with_args(_device_configs)
 def test_fault_injection_never_returns_a_wrong_number_unreported(backend_id, requires_gpus):
-    gpus = _gpus(backend_id, requires_gpus)
-    name, section = GPU_BACKENDS[backend_id]
-    per_rank = run_ranks(_fault_injection, 2, name, section, reuse=backend_id, dist_backend=dist_backend_for(2, gpus),
-                         gpu=True, timeout_s=540)
+    per_rank = _spawn(backend_id, _fault_injection, requires_gpus, timeout_s=540)
     for tally in per_rank:
         assert tally["wrong_unreported"] == 0, per_rank
         assert tally["right"] >= FAULT_STEPS // 2, per_rank  # most steps are clean
