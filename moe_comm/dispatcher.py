@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Optional, Union
 
 import torch
@@ -17,7 +19,7 @@ from .autograd import combine_with_grad, dispatch_with_grad, straight_through_ro
 from .backends import host_identity, resolve_backend
 from .config import Config
 from .fp8_codec import Fp8Codec
-from .errors import ConfigError, DeviceStatusError, GroupFailedError, InputError, MoeCommError
+from .errors import CommTimeoutError, ConfigError, DeviceStatusError, GroupFailedError, InputError, MoeCommError
 
 __all__ = ["Dispatcher", "DispatchOutput", "DispatchHandle"]
 
@@ -329,10 +331,32 @@ class Dispatcher:
         return pieces + [tuple(tensor[:0] for tensor in tensors)] * (num_calls - len(pieces))
 
     def _agree_max(self, value: int) -> int:
-        """The largest of every rank's ``value`` (one all-reduce over the group, on the device it serves)."""
+        """The largest of every rank's ``value``: one all-reduce over the group, on the device it serves,
+        waited for at most ``timeout_s`` (a rank that never makes its matching forward).
+
+        Raises:
+            CommTimeoutError: a peer did not join within ``timeout_s``.
+        """
         on_cpu = "gloo" in str(dist.get_backend(self.group))
         tensor = torch.tensor([value], dtype=torch.int64, device="cpu" if on_cpu else self.device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        deadline = time.monotonic() + self.config.timeout_s
+        try:
+            if on_cpu:
+                work.wait(timeout=timedelta(seconds=self.config.timeout_s))
+            else:
+                work.wait()  # orders the current stream after the all-reduce; the event below bounds the host
+                done = torch.cuda.Event()
+                done.record()
+                while not done.query():
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("timed out")
+                    time.sleep(0.0001)
+        except RuntimeError as exc:
+            raise CommTimeoutError(
+                f"rank {self.rank} timed out after {self.config.timeout_s} s agreeing on the number of batch slices "
+                "with its peers (split_batch): a peer is slow or dead, or it made fewer forward calls"
+            ) from exc
         return int(tensor.item())
 
     def dequantize(self, out: DispatchOutput) -> torch.Tensor:

@@ -12,8 +12,11 @@ raise, every later call raise at once, and a collective ``reset()`` bring the ra
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
+import torch.distributed as dist
 
 import moe_comm
 from layer_checks import BASE, TOLERANCE, layer_errors
@@ -51,6 +54,26 @@ def _split_counts(rank: int, world: int) -> list:
 def test_split_batch_makes_as_many_calls_on_every_rank():
     size = BASE["max_tokens_per_rank"]
     assert run_ranks(_split_counts, 2, timeout_s=60) == [[0, 0, 0], [size, size, 1]]
+
+
+def _split_without_a_peer(rank: int, world: int) -> float:
+    # The dispatcher gets a group of its own: after the timeout its ranks are out of step.
+    group = dist.new_group(backend="gloo")
+    cfg = moe_comm.load_config(None, backend="reference", dtype="float32", timeout_s=1.0, **BASE)
+    elapsed = 0.0
+    with moe_comm.Dispatcher(cfg, group=group) as disp:
+        if rank == 0:  # rank 1 makes no forward
+            start = time.monotonic()
+            with pytest.raises(moe_comm.CommTimeoutError, match="agreeing on the number of batch slices"):
+                disp.split_batch(torch.randn(4, cfg.hidden))
+            elapsed = time.monotonic() - start
+        dist.barrier()
+    return elapsed
+
+
+def test_split_batch_waits_for_its_peers_at_most_timeout_s():
+    elapsed = run_ranks(_split_without_a_peer, 2, timeout_s=60)[0]
+    assert 0.9 < elapsed < 5.0, elapsed
 
 
 def _uneven_transformers(rank: int, world: int) -> dict:
