@@ -5,7 +5,7 @@ Usage: python benchmarks/bench_dispatch_combine.py [--tokens 128 4096] [--routin
 
 import sys
 
-from moe_comm.bench import main
+from moe_comm.tools.bench import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -35,8 +35,8 @@ from typing import Callable
 
 import torch
 
-from moe_comm import driver
-from moe_comm.kernel_params import KernelParams
+from moe_comm.cuda import driver
+from moe_comm.cuda.kernel_params import KernelParams
 
 THREADS = 512
 

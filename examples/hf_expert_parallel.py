@@ -27,7 +27,7 @@ import torch.distributed as dist
 import transformers
 
 from moe_comm.integrations.transformers import expert_parallel
-from moe_comm.spawn import exit_now
+from moe_comm.tools.spawn import exit_now
 
 
 def _tiny_model() -> torch.nn.Module:

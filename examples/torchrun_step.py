@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import moe_comm
-from moe_comm.spawn import exit_now
+from moe_comm.tools.spawn import exit_now
 
 
 def main(argv: list[str]) -> int:

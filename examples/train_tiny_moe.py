@@ -53,7 +53,7 @@ from torch import nn
 
 import moe_comm
 from moe_comm.errors import RankFailureError
-from moe_comm.spawn import run_ranks
+from moe_comm.tools.spawn import run_ranks
 
 SUCCESSORS = 4       # next tokens each token may be followed by: the loss floor is ln(4) = 1.39
 WINDOW = 3           # steps averaged at the start and at the end for the "loss went down" check

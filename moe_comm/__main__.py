@@ -1,6 +1,6 @@
-"""``python -m moe_comm``: the ``moe-comm`` command line (see ``moe_comm.cli``)."""
+"""``python -m moe_comm``: the ``moe-comm`` command line (see ``moe_comm.tools.cli``)."""
 
-from .cli import main
+from .tools.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

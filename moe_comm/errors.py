@@ -58,7 +58,7 @@ class GroupFailedError(DeviceStatusError):
 
 
 class RankFailureError(MoeCommError, RuntimeError):
-    """One or more ranks started by ``moe_comm.spawn.run_ranks`` raised, crashed or hung.
+    """One or more ranks started by ``moe_comm.tools.spawn.run_ranks`` raised, crashed or hung.
 
     The message holds every failed rank's report.
 

@@ -4,7 +4,7 @@ Config-dtype rows are quantized by the dispatch kernels themselves as they send 
 where the backend's kernels can (``Backend.quantizes_fp8``, GPUs of compute capability 8.9 or
 newer, scales not rounded): no pass over ``x`` runs before. A pre-quantized pair is read the same
 way there, each packed row built as it is sent and expanded. Otherwise rows are packed first, by
-the one-pass kernels of ``csrc/fp8.cu`` (:class:`moe_comm.kernels.Fp8PackKernels`) on such GPUs, by
+the one-pass kernels of ``csrc/fp8.cu`` (:class:`moe_comm.cuda.kernels.Fp8PackKernels`) on such GPUs, by
 the torch reference (:mod:`moe_comm.fp8`) elsewhere and for power-of-two scales. Every way gives
 the same bytes, so the eager and the compiled paths (``moe_comm.ops``) share this one object per
 dispatcher.
@@ -38,7 +38,7 @@ class Fp8Codec:
         self._round_scale = config.dispatch_round_scale
         self._kernels = None
         if device.type == "cuda":
-            from .kernels import FP8_KERNELS_MIN_ARCH, Fp8PackKernels
+            from .cuda.kernels import FP8_KERNELS_MIN_ARCH, Fp8PackKernels
 
             if torch.cuda.get_device_capability(device) >= FP8_KERNELS_MIN_ARCH:
                 self._kernels = Fp8PackKernels(device, self._dtype, self._hidden)

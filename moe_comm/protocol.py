@@ -1,7 +1,7 @@
 """What the Python side and the CUDA kernels share: every value both must agree on, in one place.
 
 The kernels never spell these values out: :func:`cuda_header` writes them as the ``#define`` lines
-of ``protocol.cuh``, which :mod:`moe_comm.jit` hands to NVRTC next to ``csrc/*.cuh`` (and hashes
+of ``protocol.cuh``, which :mod:`moe_comm.cuda.jit` hands to NVRTC next to ``csrc/*.cuh`` (and hashes
 into the cache key, so a changed value recompiles). A value only the kernels use stays in ``csrc``.
 
 The module holds, in this order: the status word and its decoding (:class:`StatusReport`,

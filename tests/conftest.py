@@ -112,7 +112,7 @@ def requires_gpus():
 def nvrtc():
     """NVRTC's version; skips when NVRTC cannot be loaded here, and fails in CI (which installs it
     through the `test` extra)."""
-    from moe_comm import jit
+    from moe_comm.cuda import jit
     from moe_comm.errors import CompileError
     from requirements import missing
 
@@ -125,7 +125,7 @@ def nvrtc():
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     """A fresh cache directory, and a counter of real NVRTC compilations."""
-    from moe_comm import jit
+    from moe_comm.cuda import jit
 
     monkeypatch.setenv("MOE_COMM_CACHE_DIR", str(tmp_path))
     calls = []

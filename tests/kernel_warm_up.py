@@ -104,7 +104,7 @@ def start(items: Iterable) -> Optional[KernelWarmUp]:
     """
     import torch
 
-    from moe_comm import driver
+    from moe_comm.cuda import driver
 
     if not torch.cuda.is_available():
         return None

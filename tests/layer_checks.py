@@ -1,11 +1,11 @@
 """MoELayer against the dense single-process reference, shared by the CPU and GPU layer tests.
 
 ``layer_errors`` runs stacked ``MoELayer``s on one rank's tokens, forward and backward, and
-recomputes every rank's tokens densely in float32 (:func:`moe_comm.reference.dense_forward`, with the
+recomputes every rank's tokens densely in float32 (:func:`moe_comm.nn.reference.dense_forward`, with the
 routing the layers chose, so a near-tie cannot pick different experts in the two runs). The
 config's ``router`` section applies to both; the first layer's choice is checked on its own
-against :func:`moe_comm.reference.dense_route`, and the balancing losses the config enables are
-added to the training loss on both sides (:func:`moe_comm.reference.dense_balancing_losses`). It
+against :func:`moe_comm.nn.reference.dense_route`, and the balancing losses the config enables are
+added to the training loss on both sides (:func:`moe_comm.nn.reference.dense_balancing_losses`). It
 returns scale-free relative errors: ``max |got - want| / max |want|`` per tensor.
 """
 
@@ -19,9 +19,9 @@ import torch.distributed as dist
 
 from capture import warm_up_on_side_stream
 from moe_comm import Dispatcher
-from moe_comm.balancing import expert_counts
-from moe_comm.layer import MoELayer, MoEWeights
-from moe_comm.reference import build_dense_weights, dense_balancing_losses, dense_forward, dense_route
+from moe_comm.nn.balancing import expert_counts
+from moe_comm.nn.layer import MoELayer, MoEWeights
+from moe_comm.nn.reference import build_dense_weights, dense_balancing_losses, dense_forward, dense_route
 
 __all__ = ["FFN", "BASE", "TOLERANCE", "rel_err", "gather", "layer_errors", "assert_within", "paired_layer_errors",
            "decode_graph_errors"]

@@ -1,14 +1,14 @@
-"""The test suite's multi-rank harness: ``moe_comm.spawn.run_ranks`` with failures as ``AssertionError``.
+"""The test suite's multi-rank harness: ``moe_comm.tools.spawn.run_ranks`` with failures as ``AssertionError``.
 
-There is one implementation of spawning ranks (``moe_comm.spawn``, also used by ``moe-comm run``);
+There is one implementation of spawning ranks (``moe_comm.tools.spawn``, also used by ``moe-comm run``);
 this wrapper turns its ``RankFailureError`` into the ``AssertionError`` pytest reports as a test
 failure, with every failed rank's traceback (or stacks, for a rank that hung) in the message.
 
 Rank functions must be module-level functions of a test module (they are pickled by name) and
 should run many scenarios per call: every spawn costs each rank a fork, a process group and
-usually a CUDA context (torch is imported once, by ``moe_comm.spawn``'s fork server).
+usually a CUDA context (torch is imported once, by ``moe_comm.tools.spawn``'s fork server).
 
-GPU tests pass ``reuse=<backend id>``: their calls then run on a ``moe_comm.spawn.RankPool``
+GPU tests pass ``reuse=<backend id>``: their calls then run on a ``moe_comm.tools.spawn.RankPool``
 kept across tests while the (reuse key, world size, process-group backend, gpu, env) stays the
 same, so the tests of one backend and world size pay the start of NCCL or NVSHMEM once instead
 of once per test. The key separates what a process cannot switch (torch picks its
@@ -23,8 +23,8 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping, Optional
 
 from moe_comm.errors import RankFailureError
-from moe_comm.spawn import RankPool
-from moe_comm.spawn import run_ranks as _run_ranks
+from moe_comm.tools.spawn import RankPool
+from moe_comm.tools.spawn import run_ranks as _run_ranks
 
 __all__ = ["close_pool", "run_ranks"]
 
@@ -34,7 +34,7 @@ _kept: Optional[tuple[tuple, RankPool]] = None  # (key, pool): the one pool aliv
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, reuse: Optional[str] = None,
               dist_backend: str = "gloo", gpu: bool = False, env: Optional[Mapping[str, str]] = None,
               timeout_s: float = 120.0, **kwargs: Any) -> list:
-    """``moe_comm.spawn.run_ranks`` (same arguments), or with ``reuse`` a call on a kept pool of
+    """``moe_comm.tools.spawn.run_ranks`` (same arguments), or with ``reuse`` a call on a kept pool of
     ranks (``delay_rank`` is then refused); raises ``AssertionError`` if any rank failed or hung."""
     try:
         if reuse is None:

@@ -15,10 +15,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moe_comm.baselines import HostSplitAllToAll, PaddedAllToAll, SymmMemAllToAll2d, chunks_per_rank, covered_rows
-from moe_comm import bench
+from moe_comm.tools.baselines import HostSplitAllToAll, PaddedAllToAll, SymmMemAllToAll2d, chunks_per_rank, covered_rows
+from moe_comm.tools import bench
 from moe_comm.config import Config
-from moe_comm.bench import BenchOptions, bench_rank, make_routing, write_results
+from moe_comm.tools.bench import BenchOptions, bench_rank, make_routing, write_results
 from multirank import run_ranks
 
 EXPERTS, TOPK, HIDDEN, TOKENS = 8, 3, 16, 6

@@ -9,7 +9,7 @@ import torch
 
 from moe_comm import ConfigError, load_config
 from moe_comm.config import RouterConfig
-from moe_comm.router import select_experts
+from moe_comm.nn.router import select_experts
 
 EXPERTS = 16
 

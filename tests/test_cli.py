@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 import moe_comm
-from moe_comm import cli, spawn
+from moe_comm.tools import cli, spawn
 from moe_comm.backends import registry
-from moe_comm.job import CHECKED, StepResult
+from moe_comm.tools.job import CHECKED, StepResult
 
 # Subprocesses import the same moe_comm as this test process (the source tree or an install).
 _PACKAGE_PARENT = str(Path(moe_comm.__file__).resolve().parent.parent)
@@ -127,7 +127,7 @@ def test_run_timeout_must_be_positive_finite_seconds(timeout, capsys):
 
 
 def test_compile_reports_arch_and_nvrtc_errors(monkeypatch, capsys):
-    from moe_comm import jit
+    from moe_comm.cuda import jit
     from moe_comm.errors import CompileError
 
     assert cli.main(["compile", "--arch", "sm_9x"]) == 2
@@ -158,7 +158,7 @@ def test_compile_builds_the_kernels_of_a_config(nvrtc, tmp_path, monkeypatch, ca
 
 
 def test_compile_takes_several_configs_at_once(tmp_path, monkeypatch, capsys):
-    from moe_comm import jit, kernels
+    from moe_comm.cuda import jit, kernels
 
     compiled = []
     monkeypatch.setattr(jit, "nvrtc_version", lambda: (13, 0))

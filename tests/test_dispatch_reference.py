@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import moe_comm
-from moe_comm.reference import dense_moe, drop_over_capacity
+from moe_comm.nn.reference import dense_moe, drop_over_capacity
 from multirank import run_ranks
 
 NUM_EXPERTS = 8

@@ -1,4 +1,4 @@
-"""Contract of moe_comm.driver: loading compiled kernels and launching them (GPU).
+"""Contract of moe_comm.cuda.driver: loading compiled kernels and launching them (GPU).
 
 Every test needs a CUDA GPU and NVRTC; it skips without them.
 """
@@ -10,7 +10,7 @@ import ctypes
 import pytest
 import torch
 
-from moe_comm import driver
+from moe_comm.cuda import driver
 from moe_comm.errors import BackendError
 from toy_kernels import SHARED_SOURCE, TOY_SOURCE
 

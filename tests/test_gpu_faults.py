@@ -33,7 +33,7 @@ import moe_comm
 from capture import warm_up_on_side_stream
 from gpu_backends import GPU_BACKENDS, dist_backend_for, gpus_needed
 from moe_comm.errors import RankFailureError
-from moe_comm.spawn import run_ranks as spawn_ranks
+from moe_comm.tools.spawn import run_ranks as spawn_ranks
 from multirank import close_pool, run_ranks
 
 pytestmark = pytest.mark.gpu

@@ -39,7 +39,7 @@ def test_quantize_on_gpu_equals_cpu_bitwise(round_scale, requires_gpus):
 def test_packing_kernels_give_the_reference_bytes_and_rows(dtype, requires_gpus):
     requires_gpus(1)
     from moe_comm import fp8
-    from moe_comm.kernels import FP8_KERNELS_MIN_ARCH, Fp8PackKernels
+    from moe_comm.cuda.kernels import FP8_KERNELS_MIN_ARCH, Fp8PackKernels
 
     if torch.cuda.get_device_capability() < FP8_KERNELS_MIN_ARCH:
         pytest.skip("the packing kernels need compute capability 8.9 (FP8 dispatch packs with torch here)")

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 import moe_comm
-from moe_comm.layer import MoELayer
+from moe_comm.nn.layer import MoELayer
 from capture import warm_up_on_side_stream
 from gpu_backends import GPU_BACKENDS, dist_backend_for, gpus_needed
 from layer_checks import BASE, FFN, TOLERANCE, assert_within, decode_graph_errors, layer_errors, rel_err

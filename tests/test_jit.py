@@ -1,4 +1,4 @@
-"""Contract of moe_comm.jit: the NVRTC compile path and its disk cache (CPU only).
+"""Contract of moe_comm.cuda.jit: the NVRTC compile path and its disk cache (CPU only).
 
 The tests need only NVRTC (the ``nvidia-cuda-nvrtc`` wheel), which compiles for sm_90 on a
 machine without a GPU; they skip with the reason when it cannot be loaded (fixtures ``nvrtc`` and
@@ -12,9 +12,9 @@ import threading
 import pytest
 import torch
 
-from moe_comm import jit, nvshmem_build
+from moe_comm.cuda import jit, nvshmem_build
 from moe_comm.errors import BackendError, CompileError, InputError
-from moe_comm.kernels import fp8_defines, fp8_dispatch_defines, kernel_defines
+from moe_comm.cuda.kernels import fp8_defines, fp8_dispatch_defines, kernel_defines
 from toy_kernels import TOY_SOURCE
 
 
@@ -195,11 +195,11 @@ def test_modules_do_not_import_cuda_bindings_at_import_time():
     import moe_comm
 
     root = Path(moe_comm.__file__).parent
-    for relative in ("jit.py", "driver.py", "symm/base.py", "symm/vmm.py"):
+    for relative in ("cuda/jit.py", "cuda/driver.py", "symm/base.py", "symm/vmm.py"):
         tree = ast.parse((root / relative).read_text())
         for node in tree.body:
             names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else (
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
             assert not any(name.startswith("cuda") for name in names), f"{relative} imports {names} at module level"
 
 

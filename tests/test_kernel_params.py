@@ -1,4 +1,4 @@
-"""Contract of moe_comm.kernel_params: the parameter arrays cuLaunchKernel reads (CPU)."""
+"""Contract of moe_comm.cuda.kernel_params: the parameter arrays cuLaunchKernel reads (CPU)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import ctypes
 import pytest
 
 from moe_comm.errors import InputError
-from moe_comm.kernel_params import KernelParams, kernel_params
+from moe_comm.cuda.kernel_params import KernelParams, kernel_params
 
 
 def test_launch_parameters_are_packed_as_cuLaunchKernel_reads_them():

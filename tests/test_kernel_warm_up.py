@@ -66,7 +66,7 @@ def _start_on_cpu(monkeypatch, configs, arch="sm_90"):
     """``kernel_warm_up.start`` as on a GPU machine of ``arch``, for tests that name ``configs``."""
     import torch
 
-    from moe_comm import driver
+    from moe_comm.cuda import driver
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

@@ -1,7 +1,7 @@
 """The kernel launchers pass what the CUDA signatures declare (CPU: fake launches, source text).
 
 A parameter in the wrong place or of the wrong size is read as garbage by the kernel, so every
-launcher of ``moe_comm.kernels`` is run against a recording fake and its parameter list is
+launcher of ``moe_comm.cuda.kernels`` is run against a recording fake and its parameter list is
 compared, in order, with the ``extern "C"`` signature in ``csrc``: pointer or integer,
 and size. (Two parameters of the same kind and size in each other's places are beyond this
 check; the GPU suite compares every result with the reference.)
@@ -15,8 +15,9 @@ import re
 import pytest
 import torch
 
-from moe_comm import driver, kernels, protocol
-from moe_comm.kernel_params import KernelParams, kernel_params
+from moe_comm import protocol
+from moe_comm.cuda import driver, kernels
+from moe_comm.cuda.kernel_params import KernelParams, kernel_params
 from moe_comm.assets import asset_dir
 from requirements import missing
 
@@ -205,7 +206,7 @@ def test_fp8_launchers_pass_the_parameters_fp8_cu_declares(monkeypatch):
 def test_device_builds_list_what_a_device_backend_loads():
     """Dispatch and combine, then FP8 dispatch's build and, from sm_89, csrc/fp8.cu (always without
     NVSHMEM's headers: the FP8 codec loads it with the plain toolchain)."""
-    from moe_comm import jit
+    from moe_comm.cuda import jit
 
     plain = kernels.device_builds(torch.bfloat16, 512, 2, arch="sm_90", put_transport=False, fp8_dispatch=False)
     defines = kernels.kernel_defines(torch.bfloat16, 512, 2)
@@ -225,7 +226,7 @@ def test_compile_for_configs_compiles_each_distinct_build_once_all_at_once(monke
     """Configs that differ only in what the builds do not depend on (backend, sm_budget, capacity)
     share builds: every distinct one is handed to a single compile_many, in first-seen order."""
     import moe_comm
-    from moe_comm import jit
+    from moe_comm.cuda import jit
 
     calls = []
     monkeypatch.setattr(jit, "compile_many", lambda builds, *, arch: calls.append((list(builds), arch)) or [])
@@ -250,7 +251,7 @@ def test_device_builds_name_a_bad_architecture():
 
 
 def test_device_builds_of_the_put_transport_use_nvshmem_headers_except_fp8_cu():
-    from moe_comm import jit, nvshmem_build
+    from moe_comm.cuda import jit, nvshmem_build
     from moe_comm.errors import BackendError
 
     try:

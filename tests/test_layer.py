@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from moe_comm import ConfigError, Dispatcher, InputError, load_config
-from moe_comm.experts import (
+from moe_comm.nn.experts import (
     grouped_experts,
     grouped_mm_unsupported,
     masked_experts,
@@ -16,8 +16,8 @@ from moe_comm.experts import (
     sliced_experts,
     swiglu,
 )
-from moe_comm.layer import MoELayer, MoEWeights, moe_aux_loss, route, update_expert_biases
-from moe_comm.reference import build_dense_weights, dense_forward, dense_route
+from moe_comm.nn.layer import MoELayer, MoEWeights, moe_aux_loss, route, update_expert_biases
+from moe_comm.nn.reference import build_dense_weights, dense_forward, dense_route
 from layer_checks import BASE, FFN, TOLERANCE, assert_within, gather, layer_errors
 from multirank import run_ranks
 from requirements import missing

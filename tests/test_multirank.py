@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import moe_comm.spawn
+import moe_comm.tools.spawn
 from moe_comm.errors import RankFailureError
-from moe_comm.spawn import MULTICAST_OFF_ENV, RankPool
+from moe_comm.tools.spawn import MULTICAST_OFF_ENV, RankPool
 from multirank import run_ranks
 
 
@@ -58,9 +58,9 @@ def test_a_successful_run_waits_for_no_stack_dumps(monkeypatch):
     # The pause that lets killed ranks write their stacks is for runs with ranks to kill: every
     # successful run paid it (half a second each, in every test and every `moe-comm run`).
     pauses = []
-    monkeypatch.setattr(moe_comm.spawn.time, "sleep", pauses.append)
+    monkeypatch.setattr(moe_comm.tools.spawn.time, "sleep", pauses.append)
     assert run_ranks(_rank_number, 2, timeout_s=60) == [0, 1]
-    assert moe_comm.spawn._STACK_DUMP_WAIT_S not in pauses, pauses
+    assert moe_comm.tools.spawn._STACK_DUMP_WAIT_S not in pauses, pauses
 
 
 def _caller_env(rank, world_size):

@@ -106,7 +106,7 @@ def test_wheel_contains_kernels_configs_and_every_module(wheel):
     modules = _source_files("moe_comm", "**/*.py")
     assert modules <= names, f"modules missing from the wheel: {sorted(modules - names)}"
     (entry_points,) = [name for name in names if name.endswith(".dist-info/entry_points.txt")]
-    assert "moe-comm = moe_comm.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "moe-comm = moe_comm.tools.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
 
 
 def test_installed_wheel_reads_its_resources(wheel, tmp_path):

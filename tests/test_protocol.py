@@ -12,7 +12,8 @@ import re
 import pytest
 import torch
 
-from moe_comm import jit, protocol
+from moe_comm import protocol
+from moe_comm.cuda import jit
 from moe_comm.assets import asset_dir
 
 _DEFINE = re.compile(r"^\s*#\s*define\s+([A-Za-z_][A-Za-z0-9_]*)", re.MULTILINE)

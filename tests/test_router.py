@@ -1,5 +1,5 @@
-"""The router and the balancing terms (contract: layer / router): :mod:`moe_comm.router` and
-:mod:`moe_comm.balancing` (fixed-shape tensor code) against :mod:`moe_comm.reference`'s versions
+"""The router and the balancing terms (contract: layer / router): :mod:`moe_comm.nn.router` and
+:mod:`moe_comm.nn.balancing` (fixed-shape tensor code) against :mod:`moe_comm.nn.reference`'s versions
 written from the definitions (per token, per expert, per sequence), values and gradients."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import itertools
 import pytest
 import torch
 
-from moe_comm.balancing import balancing_losses, bias_step, expert_counts
+from moe_comm.nn.balancing import balancing_losses, bias_step, expert_counts
 from moe_comm.config import RouterConfig
-from moe_comm.reference import dense_balancing_losses, dense_route
-from moe_comm.router import select_experts
+from moe_comm.nn.reference import dense_balancing_losses, dense_route
+from moe_comm.nn.router import select_experts
 
 EXPERTS, HIDDEN, TOPK = 8, 16, 3
 

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from moe_comm import jit
+from moe_comm.cuda import jit
 from moe_comm.errors import CommTimeoutError, ConfigError
 
 STRANGER = 65534

@@ -30,7 +30,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .. import driver, fp8, jit, kernels, protocol
+from .. import fp8, protocol
+from ..cuda import driver, jit, kernels
 from ..agreement import agree
 from ..routing import Routing
 from ..config import Config

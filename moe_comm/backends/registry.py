@@ -164,7 +164,7 @@ ENTRIES: tuple[BackendEntry, ...] = (
     BackendEntry("nvshmem", "p2p", Memory.NVSHMEM_HEAP, Mover.DEVICE_KERNELS, Reach.NVLINK_DOMAIN,
                  (_DEVICE, _TORCH_SYMM), _build_nvshmem),
     BackendEntry("nvshmem", "put", Memory.NVSHMEM_HEAP, Mover.NVSHMEM_PUTS, Reach.ACROSS_NODES,
-                 (_DEVICE, _TORCH_SYMM, "moe_comm.nvshmem_build"), _build_nvshmem),
+                 (_DEVICE, _TORCH_SYMM, "moe_comm.cuda.nvshmem_build"), _build_nvshmem),
     BackendEntry("nccl", "symmetric", Memory.NCCL_WINDOWS, Mover.DEVICE_KERNELS, Reach.NVLINK_DOMAIN,
                  (_DEVICE, _TORCH_SYMM), _build_nccl_symmetric),
     BackendEntry("nccl", "collective", Memory.NONE, Mover.COLLECTIVE, Reach.ACROSS_NODES,

@@ -33,7 +33,7 @@ from torch import nn
 from ..config import DTYPES, Config, load_config
 from ..dispatcher import Dispatcher
 from ..errors import ConfigError, InputError
-from ..experts import check_padding_for_gradients, expert_of_rows, resolve_expert_impl
+from ..nn.experts import check_padding_for_gradients, expert_of_rows, resolve_expert_impl
 
 __all__ = ["IMPLEMENTATION", "expert_parallel"]
 

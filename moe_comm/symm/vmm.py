@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from ..agreement import agree
 from ..errors import BackendError, CommTimeoutError, ConfigError, InputError, MoeCommError
-from ..driver import cu_check, cuda_driver, device_context
+from ..cuda.driver import cu_check, cuda_driver, device_context
 from ..private import check_private_dir
 from .base import SymmetricMemory, wrap_device_pointer
 

@@ -2,7 +2,7 @@
 
 Driver calls act on the calling thread's current context; moe_comm uses each device's
 *primary* context (the one torch uses) and pushes it around every setup call
-(:func:`device_context`). :func:`load_function` compiles a kernel through :mod:`moe_comm.jit`
+(:func:`device_context`). :func:`load_function` compiles a kernel through :mod:`moe_comm.cuda.jit`
 (or finds it in the disk cache), loads its module once per (device, cubin) and caches the
 function, so under CUDA-graph capture it returns a cached function and refuses to compile or
 load anything new. ``cuda.bindings`` is imported lazily: a CPU-only install imports moe_comm
@@ -18,7 +18,7 @@ from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
 
-from .errors import BackendError, InputError
+from ..errors import BackendError, InputError
 from .jit import Defines, Toolchain, canonical_defines, compile_source, read_cubin
 from .kernel_params import KernelParams, kernel_params
 
@@ -241,14 +241,14 @@ def load_function(
 
     Args:
         device: CUDA device (an index-less ``cuda`` means the current device).
-        name, defines, source, toolchain: as in :func:`moe_comm.jit.compile_source`; ``toolchain.module_init``
+        name, defines, source, toolchain: as in :func:`moe_comm.cuda.jit.compile_source`; ``toolchain.module_init``
             runs once per loaded module.
         entry: the ``extern "C"`` ``__global__`` function to return.
 
     Raises:
         BackendError: called while the current stream is capturing a CUDA graph and the function
             is not cached yet (compiling and loading cannot be captured), or a driver call failed.
-        CompileError, ConfigError: as in :func:`moe_comm.jit.compile_source` and :func:`moe_comm.jit.read_cubin`.
+        CompileError, ConfigError: as in :func:`moe_comm.cuda.jit.compile_source` and :func:`moe_comm.cuda.jit.read_cubin`.
     """
     index = _device_index(device)
     key = (index, name, entry, canonical_defines(defines), source, toolchain)

@@ -40,7 +40,7 @@ from multiprocessing.context import ForkServerContext, ForkServerProcess
 from pathlib import Path
 from typing import Any, Callable, Mapping, NoReturn, Optional, Union
 
-from .errors import RankFailureError
+from ..errors import RankFailureError
 
 __all__ = ["MULTICAST_OFF_ENV", "RankPool", "exit_now", "run_ranks"]
 

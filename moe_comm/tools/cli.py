@@ -5,7 +5,7 @@
   them; which one ``backend: auto`` picks.
 * ``run``: the main job. Spawns one rank per local GPU (or, without GPUs, N CPU ranks on the
   ``reference`` backend), runs MoELayer forward+backward steps and checks every step against
-  the dense single-process reference (``moe_comm.job``); prints a table; exits 1 if a check fails.
+  the dense single-process reference (``moe_comm.tools.job``); prints a table; exits 1 if a check fails.
 * ``compile``: compiles every kernel in ``csrc`` for the given architectures with NVRTC
   (no GPU needed) into the kernel cache, and prints the cubin paths.
 
@@ -51,7 +51,7 @@ def _missing_modules(entry) -> list[str]:
 
 def _absent(backend: str) -> Optional[str]:
     """Why no transport of ``backend`` is in this install of moe_comm, or None when one is."""
-    from .backends import registry
+    from ..backends import registry
 
     missing = [_missing_modules(entry) for entry in registry.ENTRIES if entry.backend == backend]
     if not all(missing):
@@ -61,7 +61,7 @@ def _absent(backend: str) -> Optional[str]:
 
 
 def _transports(backend: str) -> str:
-    from .backends import registry
+    from ..backends import registry
 
     return " and ".join(registry.transports(backend))
 
@@ -100,7 +100,7 @@ def _probe_vmm() -> tuple[bool, str]:
     count = _cuda_count()
     if count == 0:
         return False, _no_cuda_reason()
-    from .driver import cu_check, cuda_driver
+    from ..cuda.driver import cu_check, cuda_driver
 
     driver = cuda_driver()  # BackendError if cuda-bindings or libcuda cannot be loaded
     attr = driver.CUdevice_attribute
@@ -151,7 +151,7 @@ def _peer_matrix(count: int) -> list[list[bool]]:
 
 
 def _auto_choice() -> str:
-    from .config import load_config
+    from ..config import load_config
 
     return _resolved_backend(load_config(None, backend="auto"), _cuda_count() > 0)
 
@@ -159,8 +159,8 @@ def _auto_choice() -> str:
 def _cmd_info(args: argparse.Namespace) -> int:
     import torch
 
-    from . import __version__
-    from .backends import registry
+    from .. import __version__
+    from ..backends import registry
 
     _say(f"moe_comm {__version__} at {Path(__file__).resolve().parent}")
     _say(f"python {platform.python_version()}, torch {torch.__version__} (CUDA {torch.version.cuda or 'none: CPU build'})")
@@ -196,8 +196,8 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 def _say_footprint(args: argparse.Namespace, gpus: int, auto: str) -> None:
     """The per-rank memory of ``--config`` (default: the embedded default) at ``--world`` ranks."""
-    from .config import load_config
-    from .footprint import footprint
+    from ..config import load_config
+    from ..footprint import footprint
 
     config = load_config(args.config)
     world = args.world or gpus or 2
@@ -212,7 +212,7 @@ def _say_footprint(args: argparse.Namespace, gpus: int, auto: str) -> None:
 def _describe_device(index: int) -> str:
     import torch
 
-    from .jit import MIN_ARCH
+    from ..cuda.jit import MIN_ARCH
 
     props = torch.cuda.get_device_properties(index)
     too_old = " (moe_comm's kernels need sm_%d or newer)" % MIN_ARCH if props.major * 10 + props.minor < MIN_ARCH else ""
@@ -251,7 +251,7 @@ def _resolved_backend(config, gpu: bool) -> str:
     """The backend ``config`` resolves to for ranks of this host only (what ``info`` and ``run`` start)."""
     import torch
 
-    from .backends import host_identity, resolve_backend_name
+    from ..backends import host_identity, resolve_backend_name
 
     return resolve_backend_name(config, torch.device("cuda", 0) if gpu else torch.device("cpu"), [host_identity()])
 
@@ -306,8 +306,8 @@ def _print_table(rows: list[dict], tolerance: float) -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from .config import load_config
-    from .errors import RankFailureError
+    from ..config import load_config
+    from ..errors import RankFailureError
     from .spawn import run_ranks
     from .job import TOLERANCE, RunOptions, run_rank
 
@@ -354,8 +354,8 @@ _COMPILE_SHAPE_KEYS = ("backend", "hidden", "topk", "dtype")
 
 
 def _cmd_compile(args: argparse.Namespace) -> int:
-    from . import jit, kernels
-    from .config import load_config
+    from ..cuda import jit, kernels
+    from ..config import load_config
 
     major, minor = jit.nvrtc_version()  # CompileError naming the fix when NVRTC is missing
     overrides = {key: getattr(args, key) for key in _COMPILE_SHAPE_KEYS if getattr(args, key) is not None}
@@ -389,7 +389,7 @@ def _positive(text: str) -> int:
 
 def _seconds(text: str) -> float:
     """A positive, finite number of seconds (``nan`` and ``inf`` parse as floats: refused here, not in a traceback)."""
-    from .config import MAX_TIMEOUT_S
+    from ..config import MAX_TIMEOUT_S
 
     try:
         value = float(text)
@@ -403,7 +403,7 @@ def _seconds(text: str) -> float:
 def _parser() -> argparse.ArgumentParser:
     import torch
 
-    from . import __version__
+    from .. import __version__
 
     parser = argparse.ArgumentParser(
         prog="moe-comm", description="Dispatch/combine of MoE tokens between GPUs: inspect, check and compile."
@@ -454,19 +454,19 @@ def _parser() -> argparse.ArgumentParser:
         "bench", add_help=False,
         help="time dispatch/combine against the all-to-all baselines (`moe-comm bench --help` for its options)",
     )
-    bench.set_defaults(func=None)  # main() hands `bench` and its own options to moe_comm.bench.main
+    bench.set_defaults(func=None)  # main() hands `bench` and its own options to moe_comm.tools.bench.main
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``moe-comm``; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["bench"]:  # bench parses its own options (see moe_comm.bench)
+    if argv[:1] == ["bench"]:  # bench parses its own options (see moe_comm.tools.bench)
         from .bench import main as bench_main
 
         return bench_main(argv[1:])
     args = _parser().parse_args(argv)
-    from .errors import ConfigError, InputError, MoeCommError
+    from ..errors import ConfigError, InputError, MoeCommError
 
     try:
         return args.func(args)

@@ -5,9 +5,9 @@
 one launch per dispatch, redispatch or combine. The protocol each kernel follows is stated at
 the top of its ``.cu`` file; the values it shares with this module (block shapes, chunk and layout
 sizes, the symmetric regions) are :mod:`moe_comm.protocol`'s. Both classes load every entry point
-in their constructor (compiling it through :mod:`moe_comm.jit` and loading it through
-:mod:`moe_comm.driver` when it is not cached), so a launcher never compiles or loads anything: it
-fills the per-call parameters of its kernel's :class:`moe_comm.kernel_params.KernelParams` (the
+in their constructor (compiling it through :mod:`moe_comm.cuda.jit` and loading it through
+:mod:`moe_comm.cuda.driver` when it is not cached), so a launcher never compiles or loads anything: it
+fills the per-call parameters of its kernel's :class:`moe_comm.cuda.kernel_params.KernelParams` (the
 fixed ones were set once) and calls ``cuLaunchKernel`` on torch's current stream, which works
 eagerly and under CUDA-graph capture alike.
 """
@@ -21,9 +21,10 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import driver, fp8, jit, nvshmem_build, protocol
+from .. import fp8, protocol
+from . import driver, jit, nvshmem_build
 from .kernel_params import kernel_params
-from .errors import BackendError
+from ..errors import BackendError
 
 __all__ = [
     "FP8_KERNELS_MIN_ARCH",
@@ -60,7 +61,7 @@ def kernel_defines(dtype: torch.dtype, hidden: int, topk: int, *, put_transport:
     """The compile-time defines of both kernel files for rows of ``hidden`` ``dtype`` and top-``topk``.
 
     ``put_transport``: remote writes as NVSHMEM puts (``csrc/transport.cuh``); such builds need
-    :func:`moe_comm.nvshmem_build.compile_options` and the module initialisation it names.
+    :func:`moe_comm.cuda.nvshmem_build.compile_options` and the module initialisation it names.
     """
     if dtype not in _DTYPE_NAMES:
         raise BackendError(f"dtype {dtype} has no kernels; expected one of {', '.join(map(str, _DTYPE_NAMES))}")
@@ -260,7 +261,7 @@ class DispatchKernels:
         capacity_rows: rows of ``out.x``. num_sms: blocks that push rows to peers (at most ``grid_sms``).
         grid_sms: the SMs the kernels may use, one block each: the config's ``sm_budget``, or the
             device's SM count.
-        toolchain: external headers of this build (:class:`moe_comm.jit.Toolchain`; NVSHMEM's for
+        toolchain: external headers of this build (:class:`moe_comm.cuda.jit.Toolchain`; NVSHMEM's for
             the put transport).
     """
 

@@ -1,11 +1,11 @@
 """``MoELayer``: an expert-parallel Mixture-of-Experts layer built on :class:`moe_comm.Dispatcher`.
 
-forward: route (float32, :mod:`moe_comm.router`) -> ``dispatch`` -> SwiGLU experts on the
-expert-major rows (:mod:`moe_comm.experts`) -> ``combine`` -> ``[..., H]``, plus the optional
+forward: route (float32, :mod:`moe_comm.nn.router`) -> ``dispatch`` -> SwiGLU experts on the
+expert-major rows (:mod:`moe_comm.nn.experts`) -> ``combine`` -> ``[..., H]``, plus the optional
 shared experts on the local tokens. Gradients reach the input, the router weight (through the
 top-k weights and the balancing losses) and the expert weights. A batch of more than
 ``max_tokens_per_rank`` tokens is routed at once and sent in batch slices (one dispatch/combine pair each).
-Load balancing (:mod:`moe_comm.balancing`): the losses the config enables are recorded on the
+Load balancing (:mod:`moe_comm.nn.balancing`): the losses the config enables are recorded on the
 layer after each training forward, and the aux-loss-free bias is updated by
 :meth:`MoELayer.update_expert_bias`.
 
@@ -14,8 +14,8 @@ value on the host and every shape follows from the config (``capacity_rows``), n
 routing.
 
 Weights are initialised deterministically from ``seed``: the router identically on every
-rank, each expert from its *global* id, so :func:`moe_comm.reference.build_dense_weights`
-rebuilds every rank's experts in one process and :func:`moe_comm.reference.dense_forward`
+rank, each expert from its *global* id, so :func:`moe_comm.nn.reference.build_dense_weights`
+rebuilds every rank's experts in one process and :func:`moe_comm.nn.reference.dense_forward`
 computes the whole layer densely as a reference.
 """
 
@@ -33,9 +33,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .balancing import balancing_losses, bias_step, expert_counts
-from .config import Config
-from .dispatcher import Dispatcher
-from .errors import ConfigError, InputError
+from ..config import Config
+from ..dispatcher import Dispatcher
+from ..errors import ConfigError, InputError
 from .experts import (check_padding_for_gradients, grouped_experts, masked_experts, resolve_expert_impl, shared_expert,
                       sliced_experts)
 from .router import RouterOutput, route, select_experts
@@ -61,7 +61,7 @@ def _generator(seed: int, stream) -> torch.Generator:
     The CPU generator (mt19937) keeps only the low 32 bits of its seed, so ``(seed, stream)`` is
     hashed into 32 bits rather than packed side by side (which would drop ``seed``).
     """
-    digest = hashlib.sha256(f"moe_comm.layer:{seed}:{stream}".encode()).digest()
+    digest = hashlib.sha256(f"moe_comm.nn.layer:{seed}:{stream}".encode()).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest[:4], "little"))
 
 
@@ -229,7 +229,7 @@ class MoELayer(nn.Module):
 
     Attributes:
         expert_impl: ``"grouped_mm"`` or ``"loop"``, the config's ``experts`` key resolved on this
-            device (see :func:`moe_comm.experts.resolve_expert_impl`; an unsupported ``grouped_mm``
+            device (see :func:`moe_comm.nn.experts.resolve_expert_impl`; an unsupported ``grouped_mm``
             raises ``ConfigError``).
         last_topk_idx, last_topk_weights: the routing of the latest forward (``[T, K]`` int64 and
             float32, detached), for tests and diagnostics.

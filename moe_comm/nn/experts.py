@@ -15,8 +15,8 @@ from typing import Iterable, Optional
 import torch
 import torch.nn.functional as F
 
-from .config import Config
-from .errors import ConfigError
+from ..config import Config
+from ..errors import ConfigError
 
 __all__ = [
     "swiglu",

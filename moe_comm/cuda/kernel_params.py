@@ -11,7 +11,7 @@ import array
 import ctypes
 from typing import Any, Sequence
 
-from .errors import InputError
+from ..errors import InputError
 
 __all__ = ["KernelParams", "kernel_params"]
 

@@ -23,8 +23,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .errors import BackendError
-from .symm.torch_symm import _nvshmem_heap_size, _select_provider, _symm_mem
+from ..errors import BackendError
+from ..symm.torch_symm import _nvshmem_heap_size, _select_provider, _symm_mem
 
 __all__ = ["HostSplitAllToAll", "PaddedAllToAll", "SymmMemAllToAll2d"]
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import RouterConfig
+from ..config import RouterConfig
 
 __all__ = ["expert_counts", "balance_probs", "aux_loss", "seq_aux_loss", "z_loss", "balancing_losses",
            "bias_step"]
@@ -37,7 +37,7 @@ def expert_counts(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
 def balance_probs(scores: torch.Tensor, router: RouterConfig) -> torch.Tensor:
     """``[T, E]`` float32 per-token probabilities the balancing losses use (see the module docstring).
 
-    ``scores`` are the router's (softmax or sigmoid, :func:`moe_comm.router.router_scores`).
+    ``scores`` are the router's (softmax or sigmoid, :func:`moe_comm.nn.router.router_scores`).
     """
     if router.score == "softmax":
         return scores
@@ -84,7 +84,7 @@ def balancing_losses(logits: torch.Tensor, scores: torch.Tensor, topk_idx: torch
     """The losses ``router`` gives a coefficient, each already multiplied by it.
 
     Args:
-        logits, scores: ``[T, E]`` float32 (:class:`moe_comm.router.RouterOutput`).
+        logits, scores: ``[T, E]`` float32 (:class:`moe_comm.nn.router.RouterOutput`).
         topk_idx: ``[T, K]`` the chosen ids. seq_len: tokens per sequence for ``seq_aux`` (>= 1, divides ``T``).
 
     Returns:

@@ -1,9 +1,9 @@
 """The check behind ``moe-comm run``: MoELayer steps on every rank compared with the dense reference.
 
-Each rank builds a :class:`moe_comm.layer.MoELayer`, and per step draws random tokens and a
+Each rank builds a :class:`moe_comm.nn.layer.MoELayer`, and per step draws random tokens and a
 random upstream gradient from ``(seed, step, rank)``, runs forward and backward, and compares the
 output and the gradients of the input, the router weight and the expert weights with
-:func:`moe_comm.reference.dense_forward` computed in float32 over every rank's tokens (gathered, with
+:func:`moe_comm.nn.reference.dense_forward` computed in float32 over every rank's tokens (gathered, with
 the routing the layer chose, so a near-tie cannot pick different experts in the two runs).
 Weights are not updated between steps: every step checks the same layer on new tokens.
 """
@@ -20,10 +20,10 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from .config import load_config
-from .errors import DeviceStatusError
-from .layer import MoELayer
-from .reference import build_dense_weights, dense_forward
+from ..config import load_config
+from ..errors import DeviceStatusError
+from ..nn.layer import MoELayer
+from ..nn.reference import build_dense_weights, dense_forward
 
 __all__ = ["TOLERANCE", "RunOptions", "StepResult", "PhaseTimer", "run_rank"]
 
@@ -105,7 +105,7 @@ class PhaseTimer:
 
 
 def _generator(seed: int, step: int, rank: int) -> torch.Generator:
-    digest = hashlib.sha256(f"moe_comm.job:{seed}:{step}:{rank}".encode()).digest()
+    digest = hashlib.sha256(f"moe_comm.tools.job:{seed}:{step}:{rank}".encode()).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest[:4], "little"))
 
 
@@ -129,7 +129,7 @@ def _errors(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
 
 
 def run_rank(rank: int, world_size: int, config_dict: dict, options: RunOptions) -> list[StepResult]:
-    """Body of one rank of ``moe-comm run`` (for :func:`moe_comm.spawn.run_ranks`); returns its step results."""
+    """Body of one rank of ``moe-comm run`` (for :func:`moe_comm.tools.spawn.run_ranks`); returns its step results."""
     config = load_config(config_dict)
     layer = MoELayer(config, options.ffn_hidden, seed=options.seed)
     device = layer.dispatcher.device

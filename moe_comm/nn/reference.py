@@ -3,11 +3,11 @@
 ``dense_moe`` computes ``z[t] = sum_k w[t, k] * expert(e[t, k], x[t])`` directly, with no
 communication; the multi-rank tests and ``moe-comm run`` check dispatch -> experts ->
 combine against it. :func:`build_dense_weights` rebuilds the weights of every rank's
-:class:`~moe_comm.layer.MoELayer` in one process (they are drawn from the seed, each expert from
+:class:`~moe_comm.nn.layer.MoELayer` in one process (they are drawn from the seed, each expert from
 its global id) and :func:`dense_forward` computes the whole layer with them. :func:`dense_route`
 and :func:`dense_balancing_losses` are the router and its balancing losses written out from their
-definitions (per token, per expert, per sequence), apart from :mod:`moe_comm.router` and
-:mod:`moe_comm.balancing`, so that the layer's fixed-shape versions are checked against them.
+definitions (per token, per expert, per sequence), apart from :mod:`moe_comm.nn.router` and
+:mod:`moe_comm.nn.balancing`, so that the layer's fixed-shape versions are checked against them.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Callable, Optional
 
 import torch
 
-from .config import Config, RouterConfig
-from .errors import InputError
+from ..config import Config, RouterConfig
+from ..errors import InputError
 from .experts import swiglu
 from .layer import MoEWeights, check_layer_args, init_expert_weights, init_router_weight, init_shared_weights
 
@@ -97,7 +97,7 @@ def build_dense_weights(
     """The weights of every expert exactly as the ``MoELayer`` of each rank initialises them.
 
     Args:
-        config, ffn_hidden, seed, shared_ffn_hidden: as given to :class:`~moe_comm.layer.MoELayer`.
+        config, ffn_hidden, seed, shared_ffn_hidden: as given to :class:`~moe_comm.nn.layer.MoELayer`.
         dtype: dtype of the expert weights returned. Their values are always the config dtype's
             (what the layer holds); ``torch.float32`` returns those values widened, for a reference
             computed without further rounding. Default: the config dtype.
@@ -147,7 +147,7 @@ def dense_route(
     expert_bias: Optional[torch.Tensor] = None,
     topk_idx: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The router from its definition, token by token (see :mod:`moe_comm.router` for the steps).
+    """The router from its definition, token by token (see :mod:`moe_comm.nn.router` for the steps).
 
     Args:
         x: ``[T, H]``. router_weight: ``[E, H]`` float32. topk: K. router: the settings.
@@ -182,7 +182,7 @@ def dense_route(
 def dense_balancing_losses(
     x: torch.Tensor, router_weight: torch.Tensor, topk_idx: torch.Tensor, router: RouterConfig
 ) -> dict[str, torch.Tensor]:
-    """The balancing losses of one forward from their definitions (see :mod:`moe_comm.balancing`).
+    """The balancing losses of one forward from their definitions (see :mod:`moe_comm.nn.balancing`).
 
     Args:
         x: ``[..., S, H]`` (sequences along dim -2; ``[T, H]`` is one sequence) or ``[T, H]``.
@@ -225,7 +225,7 @@ def dense_forward(
     router: Optional[RouterConfig] = None,
     expert_bias: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """The whole layer in one process, no communication: the reference for :class:`~moe_comm.layer.MoELayer`.
+    """The whole layer in one process, no communication: the reference for :class:`~moe_comm.nn.layer.MoELayer`.
 
     Args:
         x: ``[..., H]`` tokens on ``weights``' device; computed in the dtype of ``weights.w_gate_up``.

@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .config import RouterConfig
+from ..config import RouterConfig
 
 __all__ = ["RouterOutput", "router_scores", "select_experts", "route"]
 

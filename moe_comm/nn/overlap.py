@@ -18,7 +18,7 @@ from typing import Iterator
 
 import torch
 
-from .errors import InputError
+from ..errors import InputError
 
 __all__ = ["gemm_sm_carveout"]
 

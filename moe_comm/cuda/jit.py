@@ -1,6 +1,6 @@
 """Run-time compilation of the CUDA C++ kernels with NVRTC, and the disk cache of their cubins.
 
-Loading and launching what this module compiles is :mod:`moe_comm.driver`'s; nothing here needs
+Loading and launching what this module compiles is :mod:`moe_comm.cuda.driver`'s; nothing here needs
 a GPU (``moe-comm compile`` builds every kernel on a CPU host).
 
 Compile path and cache contract
@@ -54,10 +54,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
-from . import protocol
-from .assets import asset_dir
-from .errors import CommTimeoutError, CompileError, InputError
-from .private import open_private_dir, open_private_file, read_private_file
+from .. import protocol
+from ..assets import asset_dir
+from ..errors import CommTimeoutError, CompileError, InputError
+from ..private import open_private_dir, open_private_file, read_private_file
 
 __all__ = [
     "Build",

@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .errors import BackendError
+from ..errors import BackendError
 from .jit import Toolchain
 
 __all__ = ["HEADER_PACKAGES", "toolchain"]
@@ -65,7 +65,7 @@ def _init_module(module: Any) -> None:
 
 
 def toolchain() -> Toolchain:
-    """The :class:`moe_comm.jit.Toolchain` of put-transport kernels.
+    """The :class:`moe_comm.cuda.jit.Toolchain` of put-transport kernels.
 
     Raises:
         BackendError: a header directory is missing (the message names the wheel to install).

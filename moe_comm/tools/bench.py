@@ -47,14 +47,14 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .agreement import agree
+from ..agreement import agree
 from .baselines import HostSplitAllToAll, PaddedAllToAll, SymmMemAllToAll2d
-from .config import DTYPES, Config, load_config
-from .errors import ConfigError
-from .dispatcher import Dispatcher
-from .errors import BackendError
-from .overlap import gemm_sm_carveout
-from .fp8 import packed_row_bytes, quantize
+from ..config import DTYPES, Config, load_config
+from ..errors import ConfigError
+from ..dispatcher import Dispatcher
+from ..errors import BackendError
+from ..nn.overlap import gemm_sm_carveout
+from ..fp8 import packed_row_bytes, quantize
 
 __all__ = ["BenchOptions", "bench_rank", "write_results", "main"]
 
