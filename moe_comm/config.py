@@ -20,9 +20,9 @@ import torch
 import yaml
 
 from .assets import asset_dir
-from .backends import registry
-from . import fp8
+from . import backend_table, fp8
 from .errors import ConfigError
+from .footprint import footprint
 from .protocol import SLAB_COPIES
 
 __all__ = [
@@ -40,7 +40,7 @@ __all__ = [
     "default_config_text",
 ]
 
-BACKENDS = ("auto",) + registry.BACKEND_NAMES
+BACKENDS = ("auto",) + backend_table.BACKEND_NAMES
 EXPERT_IMPLS = ("auto", "grouped_mm", "loop")
 DISPATCH_DTYPES = ("float8_e4m3fn",)
 ROUTER_SCORES = ("softmax", "sigmoid")
@@ -135,7 +135,7 @@ class NvshmemConfig:
     heap_size_mb: Optional[int] = None
 
     def __post_init__(self) -> None:
-        _check_choice("nvshmem.transport", self.transport, registry.transports("nvshmem"))
+        _check_choice("nvshmem.transport", self.transport, backend_table.transports("nvshmem"))
         if self.heap_size_mb is not None:
             _check_int("nvshmem.heap_size_mb", self.heap_size_mb, 1, MAX_RANK_BYTES >> 20)
 
@@ -152,7 +152,7 @@ class NcclConfig:
     transport: str = "collective"
 
     def __post_init__(self) -> None:
-        _check_choice("nccl.transport", self.transport, registry.transports("nccl"))
+        _check_choice("nccl.transport", self.transport, backend_table.transports("nccl"))
 
 
 @dataclass(frozen=True)
@@ -375,8 +375,6 @@ class Config:
             raise _fail("max_tokens_per_rank", self.max_tokens_per_rank,
                         f"a value whose assignments (times topk {self.topk}) and dispatch rows ({rows:,}) fit "
                         f"the kernels' int32 counts (at most {INT32_MAX:,})")
-        from .footprint import footprint  # footprint builds on this module
-
         least = footprint(self, 1, "reference")
         need = least.slab_bytes + least.out_x_bytes
         device = torch.cuda.current_device() if torch.cuda.is_initialized() else None

@@ -16,7 +16,7 @@ from .agreement import agree
 from .protocol import StatusReport
 from .routing import Routing
 from .autograd import combine_with_grad, dispatch_with_grad, straight_through_rows
-from .backends import host_identity, resolve_backend
+from .backends import host_identity, registry, resolve_backend
 from .config import Config
 from .fp8_codec import Fp8Codec
 from .errors import CommTimeoutError, ConfigError, DeviceStatusError, GroupFailedError, InputError, MoeCommError
@@ -156,7 +156,7 @@ class Dispatcher:
         self.num_local_experts = config.num_local_experts(self.world_size)
         self.capacity_rows = config.capacity_rows(self.world_size)
         self._id = next(_dispatcher_ids)
-        self._backend = entry.create(config, group, self.device)
+        self._backend = registry.build(entry, config, group, self.device)
         self._fp8 = Fp8Codec(config, self.device) if config.dispatch_dtype is not None else None
         ops.register_backend(self._id, self._backend, self._fp8)
         self._closed = False

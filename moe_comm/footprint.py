@@ -9,10 +9,14 @@ dispatch output takes (``out.x``: ``capacity_rows`` rows, :meth:`moe_comm.Config
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from . import fp8
-from .config import Config
 from .protocol import SymmetricRegions
+
+if TYPE_CHECKING:
+    # Annotations only: the config checks every value with this module, so it imports it.
+    from .config import Config
 
 __all__ = ["Footprint", "footprint"]
 

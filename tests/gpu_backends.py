@@ -1,7 +1,7 @@
 """The GPU backends every GPU test runs on, and how a world of ranks is spawned for each.
 
 ``GPU_BACKENDS`` maps a test id (the registry entry's id, e.g. ``nvshmem-put``) to ``(backend
-name, config section overrides)`` for every entry of ``moe_comm.backends.registry`` that needs
+name, config section overrides)`` for every entry of ``moe_comm.backend_table`` that needs
 CUDA. Ranks get ``cuda:(rank % GPUs present)``. ``vmm`` maps memory between processes itself, so
 it also runs several ranks per GPU, a single GPU included (the ranks' kernels are time-sliced, on
 a gloo default group): a one-GPU machine still checks the cross-rank protocol. torch's NVSHMEM and
@@ -10,7 +10,7 @@ NCCL symmetric memory and NCCL collectives need one rank per GPU (NCCL refuses t
 
 from __future__ import annotations
 
-from moe_comm.backends.registry import ENTRIES, Memory
+from moe_comm.backend_table import ENTRIES, Memory
 
 __all__ = ["GPU_BACKENDS", "DEFAULT_WORLD", "gpus_needed", "dist_backend_for"]
 

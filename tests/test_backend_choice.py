@@ -1,4 +1,4 @@
-"""The backend registry, which backend ``auto`` picks, and the errors a backend gives when it cannot run here."""
+"""The backend table and its builders, which backend ``auto`` picks, and the errors a backend gives when it cannot run here."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import moe_comm
+from moe_comm import backend_table
 from moe_comm.backends import create_backend, registry, resolve_backend, resolve_backend_name
 from moe_comm.backends.collective import CollectiveBackend
 from multirank import run_ranks
@@ -34,12 +35,14 @@ def test_auto_across_hosts_takes_the_collective_transport_whatever_the_config_sa
 
 
 def test_every_registry_entry_is_selectable_and_present():
-    assert len({entry.id for entry in registry.ENTRIES}) == len(registry.ENTRIES)
-    for entry in registry.ENTRIES:
+    assert len({entry.id for entry in backend_table.ENTRIES}) == len(backend_table.ENTRIES)
+    for entry in backend_table.ENTRIES:
         cfg = moe_comm.load_config(None, backend=entry.backend, **entry.config_overrides)
-        assert registry.configured(entry.backend, cfg) is entry
+        assert backend_table.configured(entry.backend, cfg) is entry
         assert all(importlib.util.find_spec(name) is not None for name in entry.modules), entry.id
-    assert moe_comm.config.BACKENDS == ("auto",) + registry.BACKEND_NAMES
+    assert moe_comm.config.BACKENDS == ("auto",) + backend_table.BACKEND_NAMES
+    # Every entry of the table has a builder, and every builder an entry.
+    assert set(registry.BUILDERS) == {entry.id for entry in backend_table.ENTRIES}
 
 
 def test_an_explicit_backend_is_kept():

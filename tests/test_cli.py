@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 import moe_comm
+from moe_comm import backend_table
 from moe_comm.tools import cli, spawn
-from moe_comm.backends import registry
 from moe_comm.tools.job import CHECKED, StepResult
 
 # Subprocesses import the same moe_comm as this test process (the source tree or an install).
@@ -52,9 +52,10 @@ def test_info_lists_every_backend():
     assert any(line.startswith("  reference  usable") for line in lines)
     assert any(line.startswith("auto -> ") for line in lines)
     assert "torch " in result.stdout
-    # Every registry entry is listed under its backend, with its mover, memory and reach.
-    assert set(cli._PROBES) == set(registry.BACKEND_NAMES)
-    for entry in registry.ENTRIES:
+    assert f"moe_comm {moe_comm.__version__} at {Path(moe_comm.__file__).resolve().parent}\n" in result.stdout
+    # Every entry of the backend table is listed under its backend, with its mover, memory and reach.
+    assert set(cli._PROBES) == set(backend_table.BACKEND_NAMES)
+    for entry in backend_table.ENTRIES:
         assert f"    - {entry.id}: {entry.mover.value}; memory: {entry.memory.value}" in result.stdout, entry.id
 
 

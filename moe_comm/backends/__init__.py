@@ -1,11 +1,12 @@
 """Backends: how symmetric memory is shared and how bytes move. The routing math is in ``moe_comm.routing``.
 
-Every backend and transport is one entry of ``moe_comm.backends.registry`` (its memory, mover,
-reach, modules and how it is built); ``moe-comm info`` prints them.
+Every backend and transport is one entry of ``moe_comm.backend_table`` (its memory, mover, reach
+and modules), built by ``moe_comm.backends.registry``; ``moe-comm info`` prints them.
 """
 
+from ..backend_table import configured, resolve_backend, resolve_backend_name
 from .base import Backend, DispatchResult, host_identity
-from .registry import configured, resolve_backend, resolve_backend_name
+from .registry import build
 
 __all__ = ["Backend", "DispatchResult", "host_identity", "resolve_backend", "resolve_backend_name", "create_backend"]
 
@@ -19,4 +20,4 @@ def create_backend(name: str, config, group, device) -> Backend:
     Raises:
         BackendError: the backend cannot run here (the message says why and what to use instead).
     """
-    return configured(name, config).create(config, group, device)
+    return build(configured(name, config), config, group, device)

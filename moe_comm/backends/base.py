@@ -5,18 +5,15 @@ from __future__ import annotations
 import abc
 import socket
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from .. import protocol
+from ..config import Config
 from ..errors import BackendError
 from ..routing import Routing
-
-if TYPE_CHECKING:
-    # Annotations only: moe_comm.config reads the backend registry, which imports this package.
-    from ..config import Config
 
 __all__ = ["Backend", "DispatchResult", "host_identity"]
 

@@ -1,7 +1,7 @@
 """``moe-comm`` (also ``python -m moe_comm``): ``info``, ``run`` and ``compile``.
 
 * ``info``: torch, the CUDA devices and their peer access, and for every backend whether it
-  can run here and why not, with its transports as ``moe_comm.backends.registry`` describes
+  can run here and why not, with its transports as ``moe_comm.backend_table`` describes
   them; which one ``backend: auto`` picks.
 * ``run``: the main job. Spawns one rank per local GPU (or, without GPUs, N CPU ranks on the
   ``reference`` backend), runs MoELayer forward+backward steps and checks every step against
@@ -51,9 +51,9 @@ def _missing_modules(entry) -> list[str]:
 
 def _absent(backend: str) -> Optional[str]:
     """Why no transport of ``backend`` is in this install of moe_comm, or None when one is."""
-    from ..backends import registry
+    from .. import backend_table
 
-    missing = [_missing_modules(entry) for entry in registry.ENTRIES if entry.backend == backend]
+    missing = [_missing_modules(entry) for entry in backend_table.ENTRIES if entry.backend == backend]
     if not all(missing):
         return None
     modules = sorted({module for absent in missing for module in absent})
@@ -61,9 +61,9 @@ def _absent(backend: str) -> Optional[str]:
 
 
 def _transports(backend: str) -> str:
-    from ..backends import registry
+    from .. import backend_table
 
-    return " and ".join(registry.transports(backend))
+    return " and ".join(backend_table.transports(backend))
 
 
 def _describe_entry(entry) -> str:
@@ -140,7 +140,7 @@ def _probe_nccl() -> tuple[bool, str]:
     return True, f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}: transports {_transports('nccl')}"
 
 
-# Whether each backend of the registry can run on this machine (one check per backend name).
+# Whether each backend of the table can run on this machine (one check per backend name).
 _PROBES = {"vmm": _probe_vmm, "nvshmem": _probe_nvshmem, "nccl": _probe_nccl, "reference": _probe_reference}
 
 
@@ -159,10 +159,10 @@ def _auto_choice() -> str:
 def _cmd_info(args: argparse.Namespace) -> int:
     import torch
 
-    from .. import __version__
-    from ..backends import registry
+    from .. import __version__, backend_table
 
-    _say(f"moe_comm {__version__} at {Path(__file__).resolve().parent}")
+    # The package's folder, a floor above this module's.
+    _say(f"moe_comm {__version__} at {Path(__file__).resolve().parents[1]}")
     _say(f"python {platform.python_version()}, torch {torch.__version__} (CUDA {torch.version.cuda or 'none: CPU build'})")
     ok, text = _probe(lambda: (True, str(_cuda_count())))
     count = int(text) if ok else 0
@@ -180,11 +180,11 @@ def _cmd_info(args: argparse.Namespace) -> int:
         if ok:
             _say(text)
     _say("backends:")
-    for name in registry.BACKEND_NAMES:
+    for name in backend_table.BACKEND_NAMES:
         absent = _absent(name)
         usable, why = (False, absent) if absent else _probe(_PROBES[name])
         _say(f"  {name:<10} {'usable' if usable else 'no':<7} {why}")
-        for entry in registry.ENTRIES:
+        for entry in backend_table.ENTRIES:
             if entry.backend == name:
                 _say(f"    - {_describe_entry(entry)}")
     ok, text = _probe(lambda: (True, _auto_choice()))
