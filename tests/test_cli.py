@@ -142,6 +142,31 @@ def test_compile_reports_arch_and_nvrtc_errors(monkeypatch, capsys):
     assert "NVRTC is not available" in capsys.readouterr().err
 
 
+@pytest.fixture
+def without_nvrtc(monkeypatch):
+    """This process as on a host without NVRTC: ``cuda.bindings.nvrtc`` cannot be imported."""
+    from moe_comm.cuda import jit
+
+    monkeypatch.setitem(sys.modules, "cuda.bindings.nvrtc", None)
+    bindings = sys.modules.get("cuda.bindings")
+    if bindings is not None:
+        # `from cuda.bindings import nvrtc` reads the package's attribute before sys.modules.
+        monkeypatch.delattr(bindings, "nvrtc", raising=False)
+    jit._nvrtc.cache_clear()
+    yield
+    jit._nvrtc.cache_clear()
+
+
+@pytest.mark.parametrize("arch, expected", [("sm_75", "sm_80 or newer"), ("sm_9x", "expected a real GPU architecture")])
+def test_compile_checks_the_arch_before_nvrtc(without_nvrtc, capsys, arch, expected):
+    assert cli.main(["compile", "--arch", "sm_90", "--arch", arch]) == 2
+    err = capsys.readouterr().err
+    assert f"'{arch}'" in err and expected in err and "NVRTC" not in err, err
+    # A supported arch reaches the NVRTC check, which says what is missing.
+    assert cli.main(["compile", "--arch", "sm_90"]) == 1
+    assert "NVRTC is not available: cuda.bindings.nvrtc cannot be imported" in capsys.readouterr().err
+
+
 def test_compile_refuses_architectures_older_than_sm80(capsys):
     assert cli.main(["compile", "--arch", "sm_75"]) == 2
     err = capsys.readouterr().err

@@ -357,6 +357,9 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     from ..cuda import jit, kernels
     from ..config import load_config
 
+    # An architecture the kernels cannot run on is the answer whether or not NVRTC is here.
+    for arch in args.arch:
+        jit.arch_capability(arch)
     major, minor = jit.nvrtc_version()  # CompileError naming the fix when NVRTC is missing
     overrides = {key: getattr(args, key) for key in _COMPILE_SHAPE_KEYS if getattr(args, key) is not None}
     paths = args.config or ([None] if overrides else [])
