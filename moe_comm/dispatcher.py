@@ -18,7 +18,7 @@ from .routing import Routing
 from .autograd import combine_with_grad, dispatch_with_grad, straight_through_rows
 from .backends import host_identity, registry, resolve_backend
 from .config import Config
-from .fp8_codec import Fp8Codec
+from .backends.fp8_codec import Fp8Codec
 from .errors import CommTimeoutError, ConfigError, DeviceStatusError, GroupFailedError, InputError, MoeCommError
 
 __all__ = ["Dispatcher", "DispatchOutput", "DispatchHandle"]

@@ -3,7 +3,7 @@
 ``torch.compile`` traces Python into a graph; the host-side state of a call (symmetric buffers,
 kernels, launch parameters, epochs) must stay out of it. Each op is opaque to the compiler: it
 takes tensors and the integer id of a ``Dispatcher`` (a constant of the graph) and looks up that
-dispatcher's backend (and an FP8 dispatcher's :class:`~moe_comm.fp8_codec.Fp8Codec`) in a
+dispatcher's backend (and an FP8 dispatcher's :class:`~moe_comm.backends.fp8_codec.Fp8Codec`) in a
 registry here. Fake implementations give every output's shape and dtype from the backend's config
 alone, and autograd is registered on the ops with the same backward math as the eager path
 (:mod:`moe_comm.autograd`), so a compiled model differentiates through dispatch and combine, and
@@ -29,7 +29,7 @@ from .autograd import combine_backward, kernel_rows
 from .backends.base import Backend, DispatchResult
 from .errors import MoeCommError
 from .fp8 import packed_row_bytes
-from .fp8_codec import Fp8Codec
+from .backends.fp8_codec import Fp8Codec
 from .routing import Routing
 
 __all__ = ["register_backend", "unregister_backend", "dispatch", "combine", "dispatch_fp8", "dequantize_fp8"]

@@ -202,7 +202,7 @@ class _PackingKernels:
 
 
 def test_fp8_codec_lets_quantizing_kernels_build_rows_and_packs_for_everything_else():
-    from moe_comm.fp8_codec import Fp8Codec
+    from moe_comm.backends.fp8_codec import Fp8Codec
 
     x, idx, weights = _inputs(0)
     packed = fp8.pack(*fp8.quantize(x))

@@ -16,9 +16,9 @@ from typing import Optional
 
 import torch
 
-from . import fp8
-from .backends.base import Backend, DispatchResult
-from .config import Config
+from .. import fp8
+from .base import Backend, DispatchResult
+from ..config import Config
 
 __all__ = ["Fp8Codec"]
 
@@ -38,7 +38,7 @@ class Fp8Codec:
         self._round_scale = config.dispatch_round_scale
         self._kernels = None
         if device.type == "cuda":
-            from .cuda.kernels import FP8_KERNELS_MIN_ARCH, Fp8PackKernels
+            from ..cuda.kernels import FP8_KERNELS_MIN_ARCH, Fp8PackKernels
 
             if torch.cuda.get_device_capability(device) >= FP8_KERNELS_MIN_ARCH:
                 self._kernels = Fp8PackKernels(device, self._dtype, self._hidden)
