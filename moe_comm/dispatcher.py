@@ -18,7 +18,6 @@ from .routing import Routing
 from .autograd import combine_with_grad, dispatch_with_grad, straight_through_rows
 from .backends import host_identity, registry, resolve_backend
 from .config import Config
-from .backends.fp8_codec import Fp8Codec
 from .errors import CommTimeoutError, ConfigError, DeviceStatusError, GroupFailedError, InputError, MoeCommError
 
 __all__ = ["Dispatcher", "DispatchOutput", "DispatchHandle"]
@@ -157,8 +156,7 @@ class Dispatcher:
         self.capacity_rows = config.capacity_rows(self.world_size)
         self._id = next(_dispatcher_ids)
         self._backend = registry.build(entry, config, group, self.device)
-        self._fp8 = Fp8Codec(config, self.device) if config.dispatch_dtype is not None else None
-        ops.register_backend(self._id, self._backend, self._fp8)
+        ops.register_backend(self._id, self._backend)
         self._closed = False
         # What check() found when the group's calls went out of step (a timeout, an abort); every call
         # raises it until reset().
@@ -301,7 +299,7 @@ class Dispatcher:
         if torch.compiler.is_compiling():
             result = ops.dispatch_fp8(self._id, x.detach(), x_scales, topk_idx, topk_weights.detach())
         else:
-            result = self._fp8.dispatch(backend, x, x_scales, topk_idx, topk_weights)
+            result = backend.dispatch_fp8(x, x_scales, topk_idx, topk_weights)
         out_x, out_scales = fp8.unpack(result.x, cfg.hidden)
         handle = DispatchHandle(self._id, result.routing, topk_weights)
         if cfg.check_every_step:
@@ -380,7 +378,7 @@ class Dispatcher:
         if torch.compiler.is_compiling():
             return ops.dequantize_fp8(self._id, out.x, out.x_scales, end, quantized_from, out.handle.routing)
         with torch.no_grad():
-            rows = self._fp8.dequantize(out.x, out.x_scales, end)
+            rows = self._backend.dequantize_fp8(out.x, out.x_scales, end)
         if quantized_from is None:
             return rows
         return straight_through_rows(self._live_backend(), quantized_from, rows, out.handle.routing)

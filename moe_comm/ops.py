@@ -3,8 +3,7 @@
 ``torch.compile`` traces Python into a graph; the host-side state of a call (symmetric buffers,
 kernels, launch parameters, epochs) must stay out of it. Each op is opaque to the compiler: it
 takes tensors and the integer id of a ``Dispatcher`` (a constant of the graph) and looks up that
-dispatcher's backend (and an FP8 dispatcher's :class:`~moe_comm.backends.fp8_codec.Fp8Codec`) in a
-registry here. Fake implementations give every output's shape and dtype from the backend's config
+dispatcher's backend in a registry here. Fake implementations give every output's shape and dtype from the backend's config
 alone, and autograd is registered on the ops with the same backward math as the eager path
 (:mod:`moe_comm.autograd`), so a compiled model differentiates through dispatch and combine, and
 through FP8 dispatch's dequantized rows (``dispatch_fp8``, ``dequantize_fp8``: straight through).
@@ -29,27 +28,21 @@ from .autograd import combine_backward, kernel_rows
 from .backends.base import Backend, DispatchResult
 from .errors import MoeCommError
 from .fp8 import packed_row_bytes
-from .backends.fp8_codec import Fp8Codec
 from .routing import Routing
 
 __all__ = ["register_backend", "unregister_backend", "dispatch", "combine", "dispatch_fp8", "dequantize_fp8"]
 
 _backends: dict[int, Backend] = {}
-_fp8_codecs: dict[int, Fp8Codec] = {}
 
 
-def register_backend(dispatcher_id: int, backend: Backend, fp8_codec: Optional[Fp8Codec] = None) -> None:
-    """Make ``backend`` (and the FP8 codec of an FP8 dispatcher) reachable from the ops as
-    ``dispatcher_id`` (``Dispatcher`` does this when built)."""
+def register_backend(dispatcher_id: int, backend: Backend) -> None:
+    """Make ``backend`` reachable from the ops as ``dispatcher_id`` (``Dispatcher`` does this when built)."""
     _backends[dispatcher_id] = backend
-    if fp8_codec is not None:
-        _fp8_codecs[dispatcher_id] = fp8_codec
 
 
 def unregister_backend(dispatcher_id: int) -> None:
     """Forget ``dispatcher_id`` (``Dispatcher.close``); a graph that still names it then fails clearly."""
     _backends.pop(dispatcher_id, None)
-    _fp8_codecs.pop(dispatcher_id, None)
 
 
 def _backend(dispatcher_id: int) -> Backend:
@@ -147,8 +140,8 @@ def _dispatch_fp8_op(
     Not differentiable: the gradient reaches ``x`` through :func:`dequantize_fp8` (straight through).
     """
     scales = None if x_scales is None else x_scales.contiguous()
-    result = _fp8_codecs[dispatcher_id].dispatch(_untagged(dispatcher_id), kernel_rows(x), scales, topk_idx,
-                                                 topk_weights, separate_outputs=True)
+    result = _untagged(dispatcher_id).dispatch_fp8(kernel_rows(x), scales, topk_idx, topk_weights,
+                                                   separate_outputs=True)
     routing = result.routing
     return (result.x, result.expert_offsets, result.tokens_per_expert, routing.send_mask, routing.dest_rank,
             routing.recv_pos, routing.recv_weight)
@@ -175,9 +168,9 @@ def _dequantize_fp8_op(
     dest_rank: Tensor, recv_pos: Tensor, recv_weight: Tensor, dispatcher_id: int,
 ) -> Tensor:
     """``[N, H]`` config dtype: the FP8 rows dequantized, those below ``end`` (``expert_offsets[-1:]``) at
-    least (``Fp8Codec.dequantize``). ``quantized_from``, the ``x`` an FP8 dispatch quantized along the
+    least (``Backend.dequantize_fp8``). ``quantized_from``, the ``x`` an FP8 dispatch quantized along the
     routing, is an input only so autograd can reach it (straight through the quantization)."""
-    return _fp8_codecs[dispatcher_id].dequantize(x_fp8, x_scales, end)
+    return _backend(dispatcher_id).dequantize_fp8(x_fp8, x_scales, end)
 
 
 @_dequantize_fp8_op.register_fake

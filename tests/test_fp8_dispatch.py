@@ -15,6 +15,7 @@ import torch
 
 import moe_comm
 from moe_comm import fp8
+from moe_comm.backends.base import Backend
 import fp8_model
 from layer_checks import paired_layer_errors
 from multirank import run_ranks
@@ -180,9 +181,13 @@ def test_fp8_config_needs_hidden_in_blocks_of_128():
 
 
 class _RecordingBackend:
-    """Stands in for a backend: records what Fp8Codec.dispatch hands it."""
+    """Stands in for a backend: its FP8 dispatch is Backend's; its dispatch records what that hands it."""
 
-    def __init__(self, quantizes_fp8: bool):
+    dispatch_fp8 = Backend.dispatch_fp8
+
+    def __init__(self, config, fp8_codec, quantizes_fp8: bool):
+        self.config = config
+        self.fp8_codec = fp8_codec
         self.quantizes_fp8 = quantizes_fp8
         self.calls = []
 
@@ -201,7 +206,7 @@ class _PackingKernels:
         return fp8.pack(x_fp8, scales)
 
 
-def test_fp8_codec_lets_quantizing_kernels_build_rows_and_packs_for_everything_else():
+def test_fp8_dispatch_lets_quantizing_kernels_build_rows_and_packs_for_everything_else():
     from moe_comm.backends.fp8_codec import Fp8Codec
 
     x, idx, weights = _inputs(0)
@@ -214,9 +219,9 @@ def test_fp8_codec_lets_quantizing_kernels_build_rows_and_packs_for_everything_e
             codec = Fp8Codec(cfg, torch.device("cpu"))
             codec._kernels = kernels
             for quantizing in (False, True):
-                backend = _RecordingBackend(quantizing)
-                codec.dispatch(backend, x, None, idx, weights, separate_outputs=True)
-                codec.dispatch(backend, *pair, idx, weights)
+                backend = _RecordingBackend(cfg, codec, quantizing)
+                backend.dispatch_fp8(x, None, idx, weights, separate_outputs=True)
+                backend.dispatch_fp8(*pair, idx, weights)
                 rows, given_pair = backend.calls
                 in_kernel = quantizing and kernels is not None and not round_scale
                 assert rows["quantize"] is in_kernel and rows["separate_outputs"] is True

@@ -14,6 +14,7 @@ from .. import protocol
 from ..config import Config
 from ..errors import BackendError
 from ..routing import Routing
+from .fp8_codec import Fp8Codec
 
 __all__ = ["Backend", "DispatchResult", "host_identity"]
 
@@ -59,6 +60,13 @@ class Backend(abc.ABC):
         # Whether dispatch takes quantize=True (its kernels build FP8 rows as they send them, from
         # config-dtype rows or from a pre-quantized pair).
         self.quantizes_fp8 = False
+        # With the config's dispatch_dtype: the packing and dequantizing of FP8 rows (_load_fp8_codec).
+        self.fp8_codec: Optional[Fp8Codec] = None
+
+    def _load_fp8_codec(self) -> None:
+        """Load the FP8 codec a config with ``dispatch_dtype`` needs (each backend, once its own kernels are loaded)."""
+        if self.config.dispatch_dtype is not None:
+            self.fp8_codec = Fp8Codec(self.config, self.device)
 
     @abc.abstractmethod
     def dispatch(
@@ -77,6 +85,30 @@ class Backend(abc.ABC):
         ``separate_outputs``: every returned tensor has its own storage (torch custom ops may not
         return aliasing tensors); otherwise a backend may pack small outputs into one allocation.
         """
+
+    def dispatch_fp8(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: torch.Tensor,
+                     topk_weights: torch.Tensor, *, separate_outputs: bool = False) -> DispatchResult:
+        """FP8 dispatch of config-dtype ``x [T, H]`` (``x_scales`` None) or of the pair ``x [T, H]`` e4m3
+        and ``x_scales [T, H/128]`` float32 (contiguous, ``x`` 16-byte aligned: the Dispatcher's checks);
+        the result's ``x`` holds packed rows.
+
+        The dispatch kernels build the packed rows as they send them where they can (``quantizes_fp8``
+        on a GPU that runs the FP8 kernels; config-dtype rows only with scales not rounded); otherwise
+        the rows are packed first (:meth:`Fp8Codec.pack`). No autograd graph is recorded: the kernels
+        read ``x`` by address, and packing runs without one. A pair's scales are its own, so
+        ``dispatch_round_scale`` concerns only config-dtype rows.
+        """
+        codec = self.fp8_codec
+        if self.quantizes_fp8 and codec.has_kernels and (x_scales is not None or not self.config.dispatch_round_scale):
+            return self.dispatch(x, topk_idx, topk_weights, separate_outputs=separate_outputs, quantize=True,
+                                 x_scales=x_scales)
+        return self.dispatch(codec.pack(x, x_scales), topk_idx, topk_weights, separate_outputs=separate_outputs)
+
+    def dequantize_fp8(self, x_fp8: torch.Tensor, x_scales: torch.Tensor,
+                       end: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``[N, H]`` in the config dtype: an FP8 dispatch output's rows dequantized (:meth:`Fp8Codec.dequantize`;
+        ``end``: its ``expert_offsets[-1:]``, past which rows may be left unspecified)."""
+        return self.fp8_codec.dequantize(x_fp8, x_scales, end)
 
     @abc.abstractmethod
     def redispatch(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:

@@ -96,6 +96,7 @@ class CollectiveBackend(Backend):
         self._failure: Optional[str] = None
         # Eager CUDA exchanges not yet seen complete, oldest first: (phase, event after it, host time issued).
         self._in_flight: collections.deque = collections.deque()
+        self._load_fp8_codec()
         if device.type == "cuda":
             # NCCL calls are captured into a CUDA graph only after they ran once on the stream;
             # one empty step here keeps that warm-up out of the user's first capture.

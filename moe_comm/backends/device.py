@@ -279,6 +279,7 @@ class DeviceBackend(Backend):
             self.device, defines, args, self.regions, capacity_rows=self.capacity_rows, num_sms=cfg.num_sms,
             grid_sms=grid_sms, toolchain=toolchain,
         )
+        self._load_fp8_codec()
 
     def _warm_up(self) -> None:
         """Run every kernel once with no tokens (collective); raises if a wait timed out."""

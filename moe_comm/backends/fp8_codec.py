@@ -1,13 +1,10 @@
-"""FP8 rows on one dispatcher's device: dispatching them, dequantizing the output.
+"""FP8 rows on one backend's device: packing them and dequantizing them, by kernels or the torch reference.
 
-Config-dtype rows are quantized by the dispatch kernels themselves as they send and expand them
-where the backend's kernels can (``Backend.quantizes_fp8``, GPUs of compute capability 8.9 or
-newer, scales not rounded): no pass over ``x`` runs before. A pre-quantized pair is read the same
-way there, each packed row built as it is sent and expanded. Otherwise rows are packed first, by
-the one-pass kernels of ``csrc/fp8.cu`` (:class:`moe_comm.cuda.kernels.Fp8PackKernels`) on such GPUs, by
-the torch reference (:mod:`moe_comm.fp8`) elsewhere and for power-of-two scales. Every way gives
-the same bytes, so the eager and the compiled paths (``moe_comm.ops``) share this one object per
-dispatcher.
+The backend owns FP8 dispatch (:meth:`moe_comm.backends.base.Backend.dispatch_fp8`): its dispatch
+kernels quantize config-dtype rows as they send them where they can; otherwise it packs them first
+with this codec: the one-pass kernels of ``csrc/fp8.cu`` (:class:`moe_comm.cuda.kernels.Fp8PackKernels`)
+on GPUs of compute capability 8.9 or newer, the torch reference (:mod:`moe_comm.fp8`) elsewhere
+and for power-of-two scales. Every way gives the same bytes.
 """
 
 from __future__ import annotations
@@ -17,15 +14,13 @@ from typing import Optional
 import torch
 
 from .. import fp8
-from .base import Backend, DispatchResult
 from ..config import Config
 
 __all__ = ["Fp8Codec"]
 
 
 class Fp8Codec:
-    """FP8 rows on ``device``: dispatches them (quantized by the backend's kernels, or packed first),
-    packs and dequantizes them.
+    """FP8 rows on ``device``: packs and dequantizes them.
 
     Args:
         config: a config with ``dispatch_dtype`` set (its dtype, hidden size and ``dispatch_round_scale``).
@@ -43,17 +38,11 @@ class Fp8Codec:
             if torch.cuda.get_device_capability(device) >= FP8_KERNELS_MIN_ARCH:
                 self._kernels = Fp8PackKernels(device, self._dtype, self._hidden)
 
-    def dispatch(self, backend: Backend, x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: torch.Tensor,
-                 topk_weights: torch.Tensor, *, separate_outputs: bool = False) -> DispatchResult:
-        """FP8 dispatch on ``backend`` of config-dtype ``x [T, H]`` (``x_scales`` None) or of the pair
-        ``x [T, H]`` e4m3 and ``x_scales [T, H/128]`` float32 (contiguous, ``x`` 16-byte aligned: the
-        Dispatcher's checks); the result's ``x`` holds packed rows. No autograd graph is recorded: the
-        kernels read ``x`` by address, and packing runs without one. A pair's scales are its own, so
-        ``dispatch_round_scale`` concerns only config-dtype rows."""
-        if backend.quantizes_fp8 and self._kernels is not None and (x_scales is not None or not self._round_scale):
-            return backend.dispatch(x, topk_idx, topk_weights, separate_outputs=separate_outputs, quantize=True,
-                                    x_scales=x_scales)
-        return backend.dispatch(self.pack(x, x_scales), topk_idx, topk_weights, separate_outputs=separate_outputs)
+    @property
+    def has_kernels(self) -> bool:
+        """Whether this device runs the FP8 kernels (compute capability 8.9 or newer): the packing
+        kernels here, and the dispatch kernels' quantizing path."""
+        return self._kernels is not None
 
     @torch.no_grad()
     def pack(self, x: torch.Tensor, x_scales: Optional[torch.Tensor] = None) -> torch.Tensor:
