@@ -13,6 +13,7 @@ import dataclasses
 import math
 import os
 import reprlib
+import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, Optional, Union
 
@@ -262,7 +263,7 @@ class Config:
         refuse to build gradients through their experts with it off; the ``reference`` and
         ``nccl`` backends fill those rows with 0xFF bytes (NaN in every row format) so that a
         consumer that reads them shows.
-    experts: how :class:`moe_comm.MoELayer` computes its local experts (the Dispatcher ignores
+    expert_impl: how :class:`moe_comm.MoELayer` computes its local experts (the Dispatcher ignores
         it). ``grouped_mm``: two ``torch._grouped_mm`` calls on the expert-major rows and
         ``expert_offsets``; torch runs them without a host sync only with ``bfloat16`` on CUDA GPUs
         of compute capability 9.x or 10.x (elsewhere it reads the offsets on the host), so
@@ -274,7 +275,7 @@ class Config:
     sm_budget: the SMs every kernel of dispatch and combine (forward and backward) may use: their
         grids are this many blocks of one SM each, so the rest of the GPU stays free for work on
         other streams (compute overlapping the communication). None: the whole device.
-    num_sms: blocks (one per SM) of the kernels that push token rows to peers (dispatch's and
+    num_senders: blocks (one per SM) of the kernels that push token rows to peers (dispatch's and
         redispatch's senders), within ``sm_budget``; the receiving side's layout, expansion and
         combine, which mostly read and write local memory, use every SM of the budget, and
         dispatch's senders join the expansion of arrived rows once their own rows are out. With
@@ -316,9 +317,9 @@ class Config:
     expert_alignment: int = 16
     expert_capacity: Optional[int] = None
     zero_padding: bool = True
-    experts: str = "auto"
+    expert_impl: str = "auto"
     sm_budget: Optional[int] = None
-    num_sms: int = 48
+    num_senders: int = 48
     slab_copies: int = 2
     dispatch_dtype: Optional[str] = None
     dispatch_round_scale: bool = False
@@ -346,10 +347,10 @@ class Config:
         if self.expert_capacity is not None:
             _check_int("expert_capacity", self.expert_capacity, 1)
         _check_bool("zero_padding", self.zero_padding)
-        _check_choice("experts", self.experts, EXPERT_IMPLS)
+        _check_choice("expert_impl", self.expert_impl, EXPERT_IMPLS)
         if self.sm_budget is not None:
             _check_int("sm_budget", self.sm_budget, 1)
-        _check_int("num_sms", self.num_sms, 1)
+        _check_int("num_senders", self.num_senders, 1)
         if type(self.slab_copies) is not int or self.slab_copies not in SLAB_COPIES:
             raise _fail("slab_copies", self.slab_copies, "1 or 2")
         if self.dispatch_dtype is not None:
@@ -502,6 +503,32 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str):
     return cls(**values)
 
 
+# Keys renamed so that one concept has one name (docs/glossary.md): the old name still loads for one
+# release, with a DeprecationWarning naming the new one. ``num_sms`` was DeepEP's name for the whole
+# SM budget; here it only ever meant the senders inside ``sm_budget``.
+RENAMED_KEYS = {"num_sms": "num_senders", "experts": "expert_impl"}
+
+
+def _renamed(data: Mapping[str, Any], where: str) -> dict:
+    """``data`` with each key of :data:`RENAMED_KEYS` under its new name (a DeprecationWarning for each).
+
+    Raises:
+        ConfigError: a key is given under both its old and its new name.
+    """
+    data = dict(data)
+    for old, new in RENAMED_KEYS.items():
+        if old not in data:
+            continue
+        if new in data:
+            raise ConfigError(f"config keys '{old}' and '{new}' are both given{where}; '{old}' is the old name of "
+                              f"'{new}': keep '{new}' alone")
+        # stacklevel 3: the warning points at the caller of load_config.
+        warnings.warn(f"config key '{old}' is deprecated and will be removed in the next release; use '{new}'",
+                      DeprecationWarning, stacklevel=3)
+        data[new] = data.pop(old)
+    return data
+
+
 def load_config(source: Union[None, str, os.PathLike, Mapping[str, Any]] = None, **overrides: Any) -> Config:
     """Load and validate a configuration.
 
@@ -515,9 +542,11 @@ def load_config(source: Union[None, str, os.PathLike, Mapping[str, Any]] = None,
 
     Raises:
         ConfigError: an unknown key, a wrong type or an impossible value, naming the key.
+
+    A key of :data:`RENAMED_KEYS` loads under its new name, with a DeprecationWarning.
     """
-    data = _read_source(source)
-    for key, value in overrides.items():
+    data = _renamed(_read_source(source), "")
+    for key, value in _renamed(overrides, " as keyword arguments").items():
         if key in _SECTIONS and isinstance(value, Mapping) and isinstance(data.get(key), Mapping):
             data[key] = {**data[key], **value}
         else:

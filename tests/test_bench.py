@@ -250,9 +250,9 @@ def test_bad_workload_is_one_line_before_any_rank_starts(argv, fragment, capsys,
 def test_budget_sweep_times_every_sender_count_at_every_budget(monkeypatch):
     measured = []
 
-    def measure(options, work, group, sm_budget, dispatch_dtype=None, num_sms=None, eager=True):
-        measured.append((work, sm_budget, num_sms, eager, dispatch_dtype))
-        times = {"dispatch_us": 10.0 * num_sms, "combine_us": 5.0, "total_us": 10.0 * num_sms + 5.0}
+    def measure(options, work, group, sm_budget, dispatch_dtype=None, num_senders=None, eager=True):
+        measured.append((work, sm_budget, num_senders, eager, dispatch_dtype))
+        times = {"dispatch_us": 10.0 * num_senders, "combine_us": 5.0, "total_us": 10.0 * num_senders + 5.0}
         modes = {"graph": times, **({"eager": times} if eager else {})}
         return {"error": 0.0, "cross_bytes": 0, "received_bytes": 0, **modes}
 
@@ -264,18 +264,18 @@ def test_budget_sweep_times_every_sender_count_at_every_budget(monkeypatch):
     # Graph-replayed only: the eager calls are not timed at all.
     assert measured == [(tokens, budget, senders, False, None) for tokens in (128, 4096) for budget in (24, 16)
                         for senders in (8, 24)]
-    assert [(r.tokens, r.sm_budget, r.num_sms, r.mode, r.dispatch_us) for r in rows] == [
+    assert [(r.tokens, r.sm_budget, r.num_senders, r.mode, r.dispatch_us) for r in rows] == [
         (tokens, budget, senders, "graph (sm_budget sweep)", 10.0 * senders)
         for tokens in (128, 4096) for budget in (24, 16) for senders in (8, 24)]
-    # Without --sweep-senders each budget is timed once, at --num-sms.
+    # Without --sweep-senders each budget is timed once, at --num-senders.
     measured.clear()
-    options = bench._options(bench._parser().parse_args(["--sweep-budget", "24", "--num-sms", "12"]), gpus=1)
-    assert [row.num_sms for row in bench._budget_sweep_rows(options, None, 0, torch.device("cpu"))] == [12, 12]
+    options = bench._options(bench._parser().parse_args(["--sweep-budget", "24", "--num-senders", "12"]), gpus=1)
+    assert [row.num_senders for row in bench._budget_sweep_rows(options, None, 0, torch.device("cpu"))] == [12, 12]
     # With --fp8 FP8 dispatch is timed at every point too, beside bf16.
     measured.clear()
     args = bench._parser().parse_args(["--sweep-budget", "24", "--sweep-senders", "8", "24", "--fp8"])
     rows = bench._budget_sweep_rows(bench._options(args, gpus=1), None, 0, torch.device("cpu"))
-    assert [(r.tokens, r.num_sms, r.system) for r in rows] == [
+    assert [(r.tokens, r.num_senders, r.system) for r in rows] == [
         (tokens, senders, system) for tokens in (128, 4096) for senders in (8, 24)
         for system in ("moe_comm", "moe_comm fp8 dispatch")]
     assert [dtype for *_, dtype in measured] == [None, "float8_e4m3fn"] * 4

@@ -72,7 +72,7 @@ def test_yaml_file_dict_and_overrides(tmp_path):
         ({"slab_copies": 3}, "'slab_copies': got 3, expected 1 or 2"),
         ({"slab_copies": True}, "'slab_copies': got True"),
         ({"slab_copies": 2.0}, "'slab_copies': got 2.0"),
-        ({"experts": "triton"}, "'experts': got 'triton'"),
+        ({"expert_impl": "triton"}, "'expert_impl': got 'triton'"),
         ({"vmm": {"fd_passing": "magic"}}, "'vmm.fd_passing'"),
         ({"nvshmem": {"transport": "ib"}}, "'nvshmem.transport'"),
         ({"nvshmem": {"heap_size_mb": 0}}, "'nvshmem.heap_size_mb'"),
@@ -189,7 +189,7 @@ def test_an_int_past_pythons_digit_limit_in_yaml_is_a_config_error(tmp_path):
         ({"expert_alignment": 2**31}, "'expert_alignment': got 2147483648"),
         ({"expert_capacity": 2**31}, "'expert_capacity': got 2147483648"),
         ({"sm_budget": 2**31}, "'sm_budget': got 2147483648"),
-        ({"num_sms": 2**31}, "'num_sms': got 2147483648"),
+        ({"num_senders": 2**31}, "'num_senders': got 2147483648"),
         ({"nvshmem": {"heap_size_mb": 2**20 + 1}}, "'nvshmem.heap_size_mb': got 1048577, expected an integer from 1"),
         ({"timeout_s": 1e10}, "'timeout_s': got 10000000000.0, expected a positive number of seconds, at most 1e+06"),
         # Products of keys in range: the assignments and the dispatch rows are int32 counts in the kernels.
@@ -223,3 +223,18 @@ def test_a_config_past_the_current_devices_memory_is_refused(monkeypatch):
     load_config(None, hidden=1024, max_tokens_per_rank=1024)  # 2 MiB slab + 8 MiB of rows
     with pytest.raises(ConfigError, match=r"'max_tokens_per_rank'.* over the 67,108,864 bytes of cuda:0"):
         load_config(None, hidden=1024, max_tokens_per_rank=16384)
+
+
+@pytest.mark.parametrize("old, new, value", [("num_sms", "num_senders", 12), ("experts", "expert_impl", "loop")])
+def test_a_renamed_key_still_loads_with_a_warning_naming_the_new_key(tmp_path, old, new, value):
+    path = tmp_path / "old.yaml"
+    path.write_text(f"{old}: {value}\n")
+    for source, overrides in ((str(path), {}), ({old: value}, {}), (None, {old: value})):
+        with pytest.warns(DeprecationWarning, match=f"config key '{old}' is deprecated .*use '{new}'"):
+            cfg = load_config(source, **overrides)
+        assert getattr(cfg, new) == value and old not in cfg.to_dict()
+    # An override under the old name replaces the source's value under the new one.
+    with pytest.warns(DeprecationWarning):
+        assert getattr(load_config({new: getattr(Config, new)}, **{old: value}), new) == value
+    with pytest.raises(ConfigError, match=f"'{old}' and '{new}' are both given"):
+        load_config({old: value, new: value})

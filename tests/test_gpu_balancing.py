@@ -31,7 +31,7 @@ pytestmark = pytest.mark.gpu
 ROUTER = dict(score="sigmoid", n_group=4, topk_group=2, routed_scaling_factor=2.5, bias_update_rate=0.01,
               aux_loss_coef=0.1, seq_aux_loss_coef=0.05, z_loss_coef=0.01)
 SHARED = 16
-# Config name -> overrides; 8 experts for DeepSeek-V3's 4 groups of 2. experts: auto is grouped_mm
+# Config name -> overrides; 8 experts for DeepSeek-V3's 4 groups of 2. expert_impl: auto is grouped_mm
 # in bf16 on H100/H200/B200, loop elsewhere.
 CONFIGS = {
     "float32-loop": dict(dtype="float32", experts="loop", num_experts=8, router=ROUTER),

@@ -61,7 +61,7 @@ def _config(backend: str, dtype: str, **overrides):
         max_tokens_per_rank=MAX_TOKENS,
         dtype=dtype,
         expert_alignment=ALIGN,
-        num_sms=8,          # several blocks: grid-stride loops and the last-block pattern
+        num_senders=8,          # several blocks: grid-stride loops and the last-block pattern
         timeout_s=60.0,
     )
     values.update(overrides)
@@ -296,10 +296,10 @@ def _graph_scenarios(dev, ref, rank, world, dtype, generator) -> None:
 
 
 def _capacity_scenarios(rank, world, gloo, backend: str, section: dict) -> None:
-    """Drops over expert_capacity (single-block kernels: num_sms=1): counts and first offender match."""
+    """Drops over expert_capacity (single-block kernels: num_senders=1): counts and first offender match."""
     generator = torch.Generator().manual_seed(500 + rank)
-    with moe_comm.Dispatcher(_config(backend, "float32", expert_capacity=5, num_sms=1, **section)) as dev, \
-            moe_comm.Dispatcher(_config("reference", "float32", expert_capacity=5, num_sms=1), group=gloo) as ref:
+    with moe_comm.Dispatcher(_config(backend, "float32", expert_capacity=5, num_senders=1, **section)) as dev, \
+            moe_comm.Dispatcher(_config("reference", "float32", expert_capacity=5, num_senders=1), group=gloo) as ref:
         assert dev.capacity_rows == ref.capacity_rows
         _eager_scenarios(dev, ref, rank, world, torch.float32, generator, ("random", "one_expert", "one_rank"))
 
@@ -364,14 +364,14 @@ def _budget_scenarios(rank, world, gloo, backend: str, section: dict) -> None:
     chunked = dict(max_tokens_per_rank=CHUNKED_MAX_TOKENS)
     # Every block a sender; then one sender beside a group of two blocks, which it joins in the
     # arrivals once its rows are out (batches by ticket; two calls: the tickets of both parities).
-    for num_sms in (SM_BUDGETS[-1], 1):
-        with moe_comm.Dispatcher(_config(backend, "bfloat16", sm_budget=SM_BUDGETS[-1], num_sms=num_sms, **chunked,
+    for num_senders in (SM_BUDGETS[-1], 1):
+        with moe_comm.Dispatcher(_config(backend, "bfloat16", sm_budget=SM_BUDGETS[-1], num_senders=num_senders, **chunked,
                                          **section)) as dev, \
                 moe_comm.Dispatcher(_config("reference", "bfloat16", **chunked), group=gloo) as ref:
             for call in range(2):
                 x, idx, weights = _inputs("random", CHUNKED_MAX_TOKENS - 3 * rank - call, world, torch.bfloat16,
                                           generator)
-                tag = f"chunked on {SM_BUDGETS[-1]} SMs, {num_sms} sending, call {call} (rank {rank})"
+                tag = f"chunked on {SM_BUDGETS[-1]} SMs, {num_senders} sending, call {call} (rank {rank})"
                 _eager_step(dev, ref, rank, world, x, idx, weights, generator, tag)
 
 

@@ -50,7 +50,7 @@ DEVICE_BACKENDS = [backend_id for backend_id in GPU_BACKENDS if backend_id != "n
 
 def _config(name: str, section: dict, **overrides):
     values = dict(backend=name, num_experts=NUM_EXPERTS, topk=TOPK, hidden=HIDDEN, max_tokens_per_rank=MAX_TOKENS,
-                  dtype="bfloat16", expert_alignment=4, num_sms=4, timeout_s=TIMEOUT_S, **section)
+                  dtype="bfloat16", expert_alignment=4, num_senders=4, timeout_s=TIMEOUT_S, **section)
     values.update(overrides)
     return moe_comm.load_config(None, **values)
 

@@ -108,7 +108,7 @@ def _fp8_dispatch_checks(config: moe_comm.Config, shape: dict, gloo, gen: torch.
     16-byte boundary (an error, not a fault); then bf16 rows quantized inside the call and a
     pre-quantized pair, both captured once and replayed with new rows and routing (8 results)."""
     hidden, tokens = config.hidden, config.max_tokens_per_rank
-    ref_shape = {key: value for key, value in shape.items() if key not in ("num_sms", "sm_budget")}
+    ref_shape = {key: value for key, value in shape.items() if key not in ("num_senders", "sm_budget")}
     results = []
     with moe_comm.Dispatcher(config) as dev, \
             moe_comm.Dispatcher(moe_comm.load_config(None, backend="reference", **ref_shape), group=gloo) as ref:
@@ -168,10 +168,10 @@ def _rank_fp8_dispatch(rank: int, world: int, backend_id: str, shapes: list) -> 
 # NVSHMEM's puts too). Shapes of one backend and world share one spawn of ranks.
 @pytest.mark.parametrize("backend_id, world, shapes", [
     ("vmm", 1, [{}, {"hidden": 1152}, {"max_tokens_per_rank": 2100}, {"hidden": 1152, "max_tokens_per_rank": 2100}]),
-    ("vmm", 2, [{}, {"hidden": 1152, "num_sms": 2}, {"sm_budget": 4}]),
+    ("vmm", 2, [{}, {"hidden": 1152, "num_senders": 2}, {"sm_budget": 4}]),
     ("nvshmem-p2p", 1, [{}]), ("nccl-symmetric", 1, [{}]), ("nccl-collective", 1, [{}]),
     ("nvshmem-p2p", 2, [{}]), ("nccl-symmetric", 2, [{}]), ("nccl-collective", 2, [{}]),
-    ("nvshmem-put", 2, [{}, {"hidden": 1152, "num_sms": 2}, {"sm_budget": 4}]),
+    ("nvshmem-put", 2, [{}, {"hidden": 1152, "num_senders": 2}, {"sm_budget": 4}]),
 ])
 @pytest.mark.kernels.with_args(_fp8_dispatch_configs)
 def test_fp8_dispatch_equals_reference_bitwise(backend_id, world, shapes, requires_gpus):

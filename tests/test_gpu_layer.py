@@ -39,9 +39,9 @@ WORLD = 2
 # loop is the fallback, run in float32 (where it is the only choice) and in bf16 (the same
 # dtype as grouped_mm, against the reference only: the graphs are the same code in both dtypes).
 LAYER_CONFIGS = {
-    "bfloat16-grouped_mm": (dict(dtype="bfloat16", experts="grouped_mm"), ("reference", "train", "decode")),
-    "float32-loop": (dict(dtype="float32", experts="loop"), ("reference", "train", "decode")),
-    "bfloat16-loop": (dict(dtype="bfloat16", experts="loop"), ("reference",)),
+    "bfloat16-grouped_mm": (dict(dtype="bfloat16", expert_impl="grouped_mm"), ("reference", "train", "decode")),
+    "float32-loop": (dict(dtype="float32", expert_impl="loop"), ("reference", "train", "decode")),
+    "bfloat16-loop": (dict(dtype="bfloat16", expert_impl="loop"), ("reference",)),
 }
 # Graph against eager: the same arithmetic, so tighter than the reference's bf16 tolerance.
 GRAPH_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -165,7 +165,7 @@ def _rank_main(rank: int, world: int, backend_id: str) -> dict:
         with moe_comm.Dispatcher(cfg) as disp:
             assert disp.backend_name == backend, f"{name}: dispatcher runs {disp.backend_name}, not {backend}"
             impl = MoELayer(cfg, FFN, dispatcher=disp).expert_impl
-            assert impl == overrides["experts"], f"{name}: the layer runs {impl}"
+            assert impl == overrides["expert_impl"], f"{name}: the layer runs {impl}"
             if "reference" in scenarios:
                 results[(name, "reference")] = layer_errors(disp, rank, world, True, (16,), 1)
                 # renormalize=False, [2, 5, H] tokens, two layers stacked on the one dispatcher

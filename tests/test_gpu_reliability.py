@@ -36,7 +36,7 @@ SOAK_CHECK_EVERY = 100
 
 def _config(name: str, section: dict, **overrides):
     values = dict(backend=name, num_experts=NUM_EXPERTS, topk=TOPK, hidden=HIDDEN, max_tokens_per_rank=MAX_TOKENS,
-                  dtype="bfloat16", expert_alignment=4, num_sms=4, timeout_s=30.0, **section)
+                  dtype="bfloat16", expert_alignment=4, num_senders=4, timeout_s=30.0, **section)
     values.update(overrides)
     return moe_comm.load_config(None, **values)
 

@@ -74,7 +74,7 @@ class _Recorder:
         self.values.append(params.values())
 
 
-def _launch_every_kernel(monkeypatch, num_sms: int, grid_sms: int, tokens: int, world: int = WORLD,
+def _launch_every_kernel(monkeypatch, num_senders: int, grid_sms: int, tokens: int, world: int = WORLD,
                          zero_padding: bool = True) -> dict:
     """Launch each kernel once through recording stand-ins (as rank 0 of ``world``); returns (file, entry) ->
     recorder."""
@@ -94,8 +94,8 @@ def _launch_every_kernel(monkeypatch, num_sms: int, grid_sms: int, tokens: int, 
     dispatch = kernels.DispatchKernels(cpu, defines, args, layout, num_experts=EXPERTS, num_local_experts=local,
                                        expert_alignment=4, expert_capacity=None, zero_padding=zero_padding,
                                        capacity_rows=capacity_rows,
-                                       num_sms=num_sms, grid_sms=grid_sms)
-    combine = kernels.CombineKernels(cpu, defines, args, layout, capacity_rows=capacity_rows, num_sms=num_sms,
+                                       num_senders=num_senders, grid_sms=grid_sms)
+    combine = kernels.CombineKernels(cpu, defines, args, layout, capacity_rows=capacity_rows, num_senders=num_senders,
                                      grid_sms=grid_sms)
 
     x = torch.zeros(tokens, HIDDEN, dtype=torch.bfloat16)
@@ -120,7 +120,7 @@ def _launch_every_kernel(monkeypatch, num_sms: int, grid_sms: int, tokens: int, 
 @pytest.mark.parametrize("world, suffix", [(WORLD, ""), (1, "_one_rank")])
 def test_launchers_pass_the_parameters_the_kernels_declare(monkeypatch, world, suffix):
     # One rank runs dispatch and combine kernels of its own (nothing to send or wait for).
-    recorders = _launch_every_kernel(monkeypatch, num_sms=4, grid_sms=8, tokens=5, world=world)
+    recorders = _launch_every_kernel(monkeypatch, num_senders=4, grid_sms=8, tokens=5, world=world)
     sources = {name: asset_dir("csrc").joinpath(f"{name}.cu").read_text()
                for name in ("dispatch", "combine")}
     launched = {key: recorder.launches for key, recorder in recorders.items() if recorder.launches}
@@ -132,15 +132,15 @@ def test_launchers_pass_the_parameters_the_kernels_declare(monkeypatch, world, s
 
 @pytest.mark.parametrize("zero_padding", [True, False])
 def test_dispatch_gets_the_configs_zero_padding(monkeypatch, zero_padding):
-    recorders = _launch_every_kernel(monkeypatch, num_sms=4, grid_sms=8, tokens=5, zero_padding=zero_padding)
+    recorders = _launch_every_kernel(monkeypatch, num_senders=4, grid_sms=8, tokens=5, zero_padding=zero_padding)
     values = recorders[("dispatch", "dispatch")].values[0]
     assert values[_parameter_index("dispatch", "dispatch", "zero_pad")] == int(zero_padding)
 
 
 def test_sm_budget_bounds_every_grid(monkeypatch):
-    # sm_budget (grid_sms) bounds every kernel's grid, the senders within it too (num_sms larger
+    # sm_budget (grid_sms) bounds every kernel's grid, the senders within it too (num_senders larger
     # than the budget, and enough tokens to want every sender), so the other SMs stay free.
-    recorders = _launch_every_kernel(monkeypatch, num_sms=24, grid_sms=3, tokens=MAX_TOKENS)
+    recorders = _launch_every_kernel(monkeypatch, num_senders=24, grid_sms=3, tokens=MAX_TOKENS)
     grids = {key: recorder.grids for key, recorder in recorders.items() if recorder.grids}
     assert len(grids) == 5 and all(grid <= 3 for launches in grids.values() for grid in launches), grids
     assert grids[("dispatch", "dispatch")] == [3] and grids[("combine", "combine")] == [3]
@@ -153,7 +153,7 @@ def test_world_one_dispatch_holds_no_block_back_to_send(monkeypatch):
     # expands); redispatch gets one block, which sends nothing and signals the arrival its
     # expansion waits for. With several ranks both send.
     def senders(world, entry):
-        recorders = _launch_every_kernel(monkeypatch, num_sms=4, grid_sms=8, tokens=MAX_TOKENS, world=world)
+        recorders = _launch_every_kernel(monkeypatch, num_senders=4, grid_sms=8, tokens=MAX_TOKENS, world=world)
         return recorders[("dispatch", entry)].values[0][_parameter_index("dispatch", entry, "num_senders")]
 
     assert senders(1, "dispatch_one_rank") == 0 and senders(1, "redispatch") == 1
@@ -169,13 +169,13 @@ def test_one_rank_kernels_get_their_grid_and_shared_memory(monkeypatch):
     units_per_row = -(-HIDDEN * 2 // 16 // lanes)
     warps = protocol.COMBINE_THREADS // 32
     for tokens, grid in ((1, 1), (40, -(-40 * units_per_row // warps)), (1000, 8)):
-        recorders = _launch_every_kernel(monkeypatch, num_sms=4, grid_sms=8, tokens=tokens, world=1)
+        recorders = _launch_every_kernel(monkeypatch, num_senders=4, grid_sms=8, tokens=tokens, world=1)
         assert recorders[("combine", "combine_one_rank")].grids == [grid], tokens
-    assert _launch_every_kernel(monkeypatch, num_sms=4, grid_sms=8, tokens=1)[("combine", "combine")].grids == [8]
+    assert _launch_every_kernel(monkeypatch, num_senders=4, grid_sms=8, tokens=1)[("combine", "combine")].grids == [8]
 
     counters = (2 * (protocol.DISPATCH_THREADS // 32) + 3) * 4  # 32-bit words per local expert
-    one = _launch_every_kernel(monkeypatch, num_sms=4, grid_sms=8, tokens=5, world=1)[("dispatch", "dispatch_one_rank")]
-    several = _launch_every_kernel(monkeypatch, num_sms=4, grid_sms=8, tokens=5)[("dispatch", "dispatch")]
+    one = _launch_every_kernel(monkeypatch, num_senders=4, grid_sms=8, tokens=5, world=1)[("dispatch", "dispatch_one_rank")]
+    several = _launch_every_kernel(monkeypatch, num_senders=4, grid_sms=8, tokens=5)[("dispatch", "dispatch")]
     assert several.shared == [counters * (EXPERTS // WORLD)]
     assert one.shared == [counters * EXPERTS + protocol.LAYOUT_ROWS_PER_BLOCK * TOPK * 4]
 

@@ -39,8 +39,8 @@ SCENARIOS = {
     # and gradients flowing through two dispatch/combine pairs.
     "float32_shared_dispatcher": (dict(dtype="float32"), True, (12,), 2, None),
     # bf16 is what GPUs run: the layer rounds to bf16 where the float32 reference does not.
-    # experts: loop named explicitly (auto resolves to it on CPU as well).
-    "bfloat16": (dict(dtype="bfloat16", experts="loop"), True, (16,), 1, None),
+    # expert_impl: loop named explicitly (auto resolves to it on CPU as well).
+    "bfloat16": (dict(dtype="bfloat16", expert_impl="loop"), True, (16,), 1, None),
     # Router variants (renormalize None: the config's router section decides).
     "deepseek_router": (dict(dtype="float32", num_experts=8, router=DEEPSEEK_ROUTER), None, (16,), 2, None),
     "softmax_after_topk_raw": (dict(dtype="float32", router=dict(softmax_after_topk=True, renormalize=False)),
@@ -80,7 +80,7 @@ def _argument_errors(rank, world_size, backend):
         except ConfigError as exc:
             messages["other_config"] = str(exc)
         try:
-            MoELayer(load_config(None, backend=backend, dtype="float32", experts="grouped_mm", **BASE), FFN)
+            MoELayer(load_config(None, backend=backend, dtype="float32", expert_impl="grouped_mm", **BASE), FFN)
         except ConfigError as exc:
             messages["grouped_mm_on_cpu"] = str(exc)
     return messages
@@ -248,7 +248,7 @@ def _check(per_rank: list, names) -> None:
         assert "hidden" in messages["bad_hidden"] and "33" in messages["bad_hidden"]
         assert "group" in messages["group_and_dispatcher"]
         assert "config differs" in messages["other_config"]
-        assert "'experts'" in messages["grouped_mm_on_cpu"] and "not a CUDA GPU" in messages["grouped_mm_on_cpu"]
+        assert "'expert_impl'" in messages["grouped_mm_on_cpu"] and "not a CUDA GPU" in messages["grouped_mm_on_cpu"]
         # Each count and the expert implementation under its own name.
         world_size = len(per_rank)
         layer_repr = results["repr"]
@@ -392,9 +392,9 @@ def test_expert_impl_choice(monkeypatch):
     cfg = load_config(None, backend="reference", dtype="bfloat16", **BASE)
     cpu = torch.device("cpu")
     assert resolve_expert_impl(cfg, cpu, FFN) == "loop"
-    assert resolve_expert_impl(load_config(cfg.to_dict(), experts="loop"), cpu, FFN) == "loop"
-    with pytest.raises(ConfigError, match=r"'experts'.*not a CUDA GPU"):
-        resolve_expert_impl(load_config(cfg.to_dict(), experts="grouped_mm"), cpu, FFN)
+    assert resolve_expert_impl(load_config(cfg.to_dict(), expert_impl="loop"), cpu, FFN) == "loop"
+    with pytest.raises(ConfigError, match=r"'expert_impl'.*not a CUDA GPU"):
+        resolve_expert_impl(load_config(cfg.to_dict(), expert_impl="grouped_mm"), cpu, FFN)
     # The GPU conditions, with the device's compute capability faked (no GPU needed).
     gpu = torch.device("cuda", 0)
     capability = {"value": (9, 0)}
@@ -408,5 +408,5 @@ def test_expert_impl_choice(monkeypatch):
     assert grouped_mm_unsupported(gpu, torch.bfloat16, FFN) is None
     capability["value"] = (8, 0)
     assert "compute capability 8.0" in grouped_mm_unsupported(gpu, torch.bfloat16, FFN)
-    with pytest.raises(ConfigError, match=r"'experts': got 'grouped_mm'.*compute capability 8\.0"):
-        resolve_expert_impl(load_config(cfg.to_dict(), experts="grouped_mm"), gpu, FFN)
+    with pytest.raises(ConfigError, match=r"'expert_impl': got 'grouped_mm'.*compute capability 8\.0"):
+        resolve_expert_impl(load_config(cfg.to_dict(), expert_impl="grouped_mm"), gpu, FFN)

@@ -262,7 +262,7 @@ class DeviceBackend(Backend):
                 self.device, row_defines, args, regions, num_experts=cfg.num_experts,
                 num_local_experts=self.num_local_experts, expert_alignment=cfg.expert_alignment,
                 expert_capacity=cfg.expert_capacity, zero_padding=cfg.zero_padding, capacity_rows=self.capacity_rows,
-                num_sms=cfg.num_sms, grid_sms=grid_sms, toolchain=toolchain,
+                num_senders=cfg.num_senders, grid_sms=grid_sms, toolchain=toolchain,
             )
 
         self._dispatch_kernels = dispatch_kernels(defines, self.regions)
@@ -276,7 +276,7 @@ class DeviceBackend(Backend):
                 fp8_defines, dataclasses.replace(self.regions, row_bytes=self._fp8_row_bytes))
             self.quantizes_fp8 = True
         self._combine_kernels = kernels.CombineKernels(
-            self.device, defines, args, self.regions, capacity_rows=self.capacity_rows, num_sms=cfg.num_sms,
+            self.device, defines, args, self.regions, capacity_rows=self.capacity_rows, num_senders=cfg.num_senders,
             grid_sms=grid_sms, toolchain=toolchain,
         )
         self._load_fp8_codec()

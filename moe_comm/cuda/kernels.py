@@ -248,8 +248,8 @@ class DispatchKernels:
 
     Both kernels run one block per SM of their budget (their blocks wait for each other, so all
     must be resident at once; 512 threads of up to 128 registers fill an SM, so the grid's blocks
-    land on as many SMs and the others stay free); the first ``num_sms`` blocks push rows to peers
-    while the others lay out and expand what has landed (every block does both when ``num_sms``
+    land on as many SMs and the others stay free); the first ``num_senders`` blocks push rows to peers
+    while the others lay out and expand what has landed (every block does both when ``num_senders``
     covers the budget). At world 1, where no row leaves the rank, dispatch is ``dispatch_one_rank``:
     none sends, and every block lays out and expands.
 
@@ -258,7 +258,7 @@ class DispatchKernels:
         args: the common leading arguments. regions: the symmetric allocation's regions.
         num_experts: E. num_local_experts: L. expert_alignment: A. expert_capacity: C or None.
         zero_padding: whether dispatch zeroes the segments' padding rows (the config's).
-        capacity_rows: rows of ``out.x``. num_sms: blocks that push rows to peers (at most ``grid_sms``).
+        capacity_rows: rows of ``out.x``. num_senders: blocks that push rows to peers (at most ``grid_sms``).
         grid_sms: the SMs the kernels may use, one block each: the config's ``sm_budget``, or the
             device's SM count.
         toolchain: external headers of this build (:class:`moe_comm.cuda.jit.Toolchain`; NVSHMEM's for
@@ -278,7 +278,7 @@ class DispatchKernels:
         expert_capacity: Optional[int],
         zero_padding: bool,
         capacity_rows: int,
-        num_sms: int,
+        num_senders: int,
         grid_sms: int,
         toolchain: jit.Toolchain = jit.Toolchain(),
     ) -> None:
@@ -297,7 +297,7 @@ class DispatchKernels:
         self._dispatch = load("dispatch" if args.world_size > 1 else "dispatch_one_rank")
         self._redispatch = load("redispatch")
         self._grid = grid_sms
-        self._num_sms = min(num_sms, grid_sms)
+        self._num_senders = min(num_senders, grid_sms)
         self._world_size = args.world_size
         self._send_parts = _parts_per_row(regions.row_bytes, protocol.SEND_VPL)
         prefix = args.prefix()
@@ -333,8 +333,8 @@ class DispatchKernels:
         self._barrier_flags.zero_()
 
     def _senders(self, num_tokens: int) -> int:
-        """Blocks that push rows: at most ``num_sms``, no more than the tokens' units need."""
-        return max(1, min(self._num_sms, _cdiv(num_tokens * self._send_parts, protocol.DISPATCH_THREADS // 32)))
+        """Blocks that push rows: at most ``num_senders``, no more than the tokens' units need."""
+        return max(1, min(self._num_senders, _cdiv(num_tokens * self._send_parts, protocol.DISPATCH_THREADS // 32)))
 
     def dispatch(
         self,
@@ -392,12 +392,12 @@ class CombineKernels:
 
     Args:
         device, defines, args, regions: as for :class:`DispatchKernels`.
-        capacity_rows: rows of ``y`` (``out.x``'s layout). num_sms: blocks of the values kernels
+        capacity_rows: rows of ``y`` (``out.x``'s layout). num_senders: blocks of the values kernels
             (at most ``grid_sms``).
         toolchain: as for :class:`DispatchKernels`.
         grid_sms: as for :class:`DispatchKernels`: ``combine`` runs one block per SM of it (its
             blocks wait for each other); it reads K expert rows per partial it sends, and bounding
-            it to ``num_sms`` made it read-bound, so only a budget bounds it.
+            it to ``num_senders`` made it read-bound, so only a budget bounds it.
     """
 
     def __init__(
@@ -408,7 +408,7 @@ class CombineKernels:
         regions: protocol.SymmetricRegions,
         *,
         capacity_rows: int,
-        num_sms: int,
+        num_senders: int,
         grid_sms: int,
         toolchain: jit.Toolchain = jit.Toolchain(),
     ) -> None:
@@ -420,7 +420,7 @@ class CombineKernels:
         self._values_send = load("values_send")
         self._values_recv = load("values_recv")
         self._topk = regions.topk
-        self._num_sms = min(num_sms, grid_sms)
+        self._num_senders = min(num_senders, grid_sms)
         self._grid = grid_sms
         prefix = args.prefix()
         rows = args.world_size * args.max_tokens_per_rank
@@ -430,7 +430,7 @@ class CombineKernels:
             (_P, _P, _P, _I, _P, _I, _P),
         )
         self._capacity = ((capacity_rows, _I),)
-        self._values_send_grid = max(1, min(self._num_sms, _cdiv(rows * regions.topk, protocol.VALUES_THREADS)))
+        self._values_send_grid = max(1, min(self._num_senders, _cdiv(rows * regions.topk, protocol.VALUES_THREADS)))
         self._values_send_const = prefix + ((regions.ret_vals_offset, _L), (regions.copy_stride, _L))
         self._values_recv_const = prefix + ((regions.ret_vals_offset, _L), (regions.copy_stride, _L))
 
@@ -458,7 +458,7 @@ class CombineKernels:
     def values_recv(self, routing: RoutingAddresses, out: torch.Tensor) -> None:
         """Source side: ``out [T, K]`` float32, each assignment's value from its destination (0 if none)."""
         num_tokens = out.shape[0]
-        grid = max(1, min(self._num_sms, _cdiv(num_tokens * self._topk, protocol.VALUES_THREADS)))
+        grid = max(1, min(self._num_senders, _cdiv(num_tokens * self._topk, protocol.VALUES_THREADS)))
         self._values_recv.launch(
             grid,
             protocol.VALUES_THREADS,

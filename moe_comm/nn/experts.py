@@ -81,21 +81,21 @@ def grouped_mm_unsupported(device: torch.device, dtype: torch.dtype, ffn_hidden:
 
 
 def resolve_expert_impl(config: Config, device: torch.device, ffn_hidden: int) -> str:
-    """The expert implementation the config's ``experts`` key picks on ``device``: ``grouped_mm`` or ``loop``.
+    """The expert implementation the config's ``expert_impl`` key picks on ``device``: ``grouped_mm`` or ``loop``.
 
     Raises:
-        ConfigError: ``experts: grouped_mm`` where :func:`grouped_mm_unsupported` gives a reason.
+        ConfigError: ``expert_impl: grouped_mm`` where :func:`grouped_mm_unsupported` gives a reason.
     """
     reason = grouped_mm_unsupported(device, config.torch_dtype, ffn_hidden)
-    if config.experts == "auto":
+    if config.expert_impl == "auto":
         return "loop" if reason else "grouped_mm"
-    if config.experts == "grouped_mm" and reason:
+    if config.expert_impl == "grouped_mm" and reason:
         raise ConfigError(
-            f"config key 'experts': got 'grouped_mm', but {reason}; torch._grouped_mm runs without a host sync "
+            f"config key 'expert_impl': got 'grouped_mm', but {reason}; torch._grouped_mm runs without a host sync "
             "(graph-capturable) only with bfloat16 on CUDA GPUs of compute capability 9.x or 10.x. "
-            "Use experts: loop (or auto, which picks grouped_mm where it can)"
+            "Use expert_impl: loop (or auto, which picks grouped_mm where it can)"
         )
-    return config.experts
+    return config.expert_impl
 
 
 def grouped_experts(

@@ -89,7 +89,7 @@ class BenchOptions:
 
     tokens: tokens per rank of the workloads. routings: ``uniform`` (``topk(abs(randn) + 1)``)
     and/or ``skewed`` (a few hot experts). hidden, num_experts, topk, dtype: the model shape.
-    backend: moe_comm's backend. num_sms: its senders. sm_budget: the SMs of every kernel (None:
+    backend: moe_comm's backend. num_senders: its senders. sm_budget: the SMs of every kernel (None:
     the whole device). slab_copies: the config's (2: parity copies, no acks; 1: acks).
     expert_alignment: the config's (rows each expert segment of ``out.x`` is padded to; at decode sizes
     the zero padding is most of dispatch's bytes). zero_padding: the config's (False: the padding
@@ -97,7 +97,7 @@ class BenchOptions:
     repeats: timed measurements per median.
     warmup: untimed runs first. baselines: also run the all-to-all baselines (CUDA only).
     budget_sweep / sweep_tokens: ``sm_budget`` values timed (graph-replayed, uniform routing) at these T.
-    sender_sweep: ``num_sms`` values timed at each budget of the sweep (empty: ``num_sms`` alone), to
+    sender_sweep: ``num_senders`` values timed at each budget of the sweep (empty: ``num_senders`` alone), to
     choose how many of a budget's blocks send (the others expand meanwhile; at world 1 dispatch runs
     no senders, so the values time the same kernels).
     overlap_budgets / overlap_tokens: ``sm_budget`` values at which dispatch+combine runs beside a
@@ -115,7 +115,7 @@ class BenchOptions:
     topk: int = 8
     dtype: str = "bfloat16"
     backend: str = "auto"
-    num_sms: int = Config.num_sms
+    num_senders: int = Config.num_senders
     sm_budget: Optional[int] = None
     slab_copies: int = 2
     expert_alignment: int = Config.expert_alignment
@@ -145,7 +145,7 @@ class Row:
     total_us: Optional[float] = None
     cross_gbps: Optional[float] = None
     received_gbps: Optional[float] = None
-    num_sms: Optional[int] = None
+    num_senders: Optional[int] = None
     sm_budget: Optional[int] = None
     note: str = ""
     extra: dict = field(default_factory=dict)
@@ -340,19 +340,19 @@ def _moe_comm_step(disp: Dispatcher, inputs: tuple, fixed_rows: Optional[torch.T
 
 
 def _config(options: BenchOptions, max_tokens: int, sm_budget: Optional[int], dispatch_dtype: Optional[str] = None,
-            num_sms: Optional[int] = None):
-    """The config of a measurement of at most ``max_tokens`` tokens a rank (``num_sms`` None: ``options``')."""
+            num_senders: Optional[int] = None):
+    """The config of a measurement of at most ``max_tokens`` tokens a rank (``num_senders`` None: ``options``')."""
     return load_config(
         None, backend=options.backend, num_experts=options.num_experts, topk=options.topk, hidden=options.hidden,
         max_tokens_per_rank=max(max_tokens, 1), dtype=options.dtype,
-        num_sms=options.num_sms if num_sms is None else num_sms,
+        num_senders=options.num_senders if num_senders is None else num_senders,
         sm_budget=sm_budget, dispatch_dtype=dispatch_dtype, slab_copies=options.slab_copies,
         expert_alignment=options.expert_alignment, zero_padding=options.zero_padding,
     )
 
 
 def _measure_moe_comm(options: BenchOptions, work: _Workload, group, sm_budget: Optional[int],
-                      dispatch_dtype: Optional[str] = None, num_sms: Optional[int] = None, eager: bool = True) -> dict:
+                      dispatch_dtype: Optional[str] = None, num_senders: Optional[int] = None, eager: bool = True) -> dict:
     """Times (per mode: eager, and graph-replayed on CUDA), the combine error and the bytes of one
     workload on moe_comm.
 
@@ -360,10 +360,10 @@ def _measure_moe_comm(options: BenchOptions, work: _Workload, group, sm_budget: 
     dispatch; the identity experts dequantize, outside the timed steps: dispatch+combine combines
     the rows of the first call, dequantized once, as an expert GEMM that takes FP8 would hand
     combine its own output).
-    ``num_sms``: the senders (None: ``options.num_sms``).
+    ``num_senders``: the senders (None: ``options.num_senders``).
     ``eager``: False leaves the eager calls untimed (the budget sweep's rows are graph-replayed only).
     """
-    cfg = _config(options, work.source_x.shape[0], sm_budget, dispatch_dtype, num_sms)
+    cfg = _config(options, work.source_x.shape[0], sm_budget, dispatch_dtype, num_senders)
     result = {}
     with Dispatcher(cfg, group=group) as disp:
         timer = _Timer(disp.device, group, options.repeats, options.warmup)
@@ -490,7 +490,7 @@ def _measure_overlap(options: BenchOptions, work: _Workload, group, sm_budget: i
     times["hidden_vs_whole"] = (times["comm_us"] + times["gemm_whole_us"] - times["both_us"]) / times["comm_us"]
     note = _with_late_note(f"GEMM {size}^3 bf16, cuBLASLt leaving {sm_budget} SMs", timer.late_share)
     return Row(system="overlap", mode="graph", tokens=work.static[0].shape[0], routing="uniform",
-               total_us=times["both_us"], num_sms=options.num_sms, sm_budget=sm_budget, note=note,
+               total_us=times["both_us"], num_senders=options.num_senders, sm_budget=sm_budget, note=note,
                extra={"combine_error": None, "late_replay_share": timer.late_share, **times})
 
 
@@ -506,7 +506,7 @@ def _with_late_note(note: str, late_share: float) -> str:
     return _joined(note, f"host late for {100 * late_share:.0f}% of a median's replays (their times include the wait)")
 
 
-def _rows(system: str, measured: dict, num_tokens: int, routing: str, num_sms: Optional[int],
+def _rows(system: str, measured: dict, num_tokens: int, routing: str, num_senders: Optional[int],
           cross_bytes: float, received_bytes: float, sm_budget: Optional[int] = None) -> list[Row]:
     rows = []
     for mode in ("eager", "graph"):
@@ -522,7 +522,7 @@ def _rows(system: str, measured: dict, num_tokens: int, routing: str, num_sms: O
         if mode == "eager" and "host_loop_us" in measured:
             extra["host_loop_us"] = measured["host_loop_us"]
         rows.append(Row(
-            system=system, mode=mode, tokens=num_tokens, routing=routing, num_sms=num_sms, sm_budget=sm_budget,
+            system=system, mode=mode, tokens=num_tokens, routing=routing, num_senders=num_senders, sm_budget=sm_budget,
             cross_gbps=cross_bytes / (dispatch_us * 1e3) if cross_bytes and dispatch_us else None,
             received_gbps=received_bytes / (dispatch_us * 1e3) if received_bytes and dispatch_us else None,
             note=note, extra=extra, **times,
@@ -573,7 +573,7 @@ def _symm_baseline_rows(state: list, options: BenchOptions, work: _Workload, dev
 
 def _budget_sweep_rows(options: BenchOptions, group, rank: int, device: torch.device) -> list[Row]:
     """Graph-replayed rows (uniform routing) of each ``sm_budget`` of ``options.budget_sweep`` at each
-    of ``options.sweep_tokens``, once per ``num_sms`` of ``options.sender_sweep`` (default: ``num_sms``);
+    of ``options.sweep_tokens``, once per ``num_senders`` of ``options.sender_sweep`` (default: ``num_senders``);
     with ``options.fp8`` FP8 dispatch at each point too (its senders quantize, so their best number
     differs from bf16's)."""
     systems = (("moe_comm", None),) + ((("moe_comm fp8 dispatch", "float8_e4m3fn"),) if options.fp8 else ())
@@ -581,10 +581,10 @@ def _budget_sweep_rows(options: BenchOptions, group, rank: int, device: torch.de
     for num_tokens in options.sweep_tokens if options.budget_sweep else ():
         work = _Workload(options, num_tokens, "uniform", rank, device)
         for budget in options.budget_sweep:
-            for senders in options.sender_sweep or (options.num_sms,):
+            for senders in options.sender_sweep or (options.num_senders,):
                 for system, dispatch_dtype in systems:
                     moe = _measure_moe_comm(options, work, group, budget, dispatch_dtype=dispatch_dtype,
-                                            num_sms=senders, eager=False)
+                                            num_senders=senders, eager=False)
                     swept = _rows(system, moe, num_tokens, "uniform", senders, moe["cross_bytes"],
                                   moe["received_bytes"], budget)
                     for row in swept:
@@ -603,15 +603,15 @@ def bench_rank(rank: int, world_size: int, options: BenchOptions) -> list[dict]:
         for num_tokens in options.tokens:
             work = _Workload(options, num_tokens, routing, rank, device)
             moe = _measure_moe_comm(options, work, group, options.sm_budget)
-            rows += _rows("moe_comm", moe, num_tokens, routing, options.num_sms,
+            rows += _rows("moe_comm", moe, num_tokens, routing, options.num_senders,
                           moe["cross_bytes"], moe["received_bytes"], options.sm_budget)
             if options.fp8:
                 moe8 = _measure_moe_comm(options, work, group, options.sm_budget, dispatch_dtype="float8_e4m3fn")
-                rows += _rows("moe_comm fp8 dispatch", moe8, num_tokens, routing, options.num_sms,
+                rows += _rows("moe_comm fp8 dispatch", moe8, num_tokens, routing, options.num_senders,
                               moe8["cross_bytes"], moe8["received_bytes"], options.sm_budget)
                 pairs = _measure_moe_comm(options, work.pre_quantized(), group, options.sm_budget,
                                           dispatch_dtype="float8_e4m3fn")
-                rows += _rows("moe_comm fp8 dispatch, pre-quantized", pairs, num_tokens, routing, options.num_sms,
+                rows += _rows("moe_comm fp8 dispatch, pre-quantized", pairs, num_tokens, routing, options.num_senders,
                               pairs["cross_bytes"], pairs["received_bytes"], options.sm_budget)
             if options.baselines and device.type == "cuda":
                 # The baselines move every assignment (no dedup): bytes are those moe_comm moves at best,
@@ -679,7 +679,7 @@ def _cell(value: Optional[float], digits: int = 1) -> str:
 def markdown_table(rows: list[dict]) -> str:
     """The results as a markdown table (one line per system, mode and workload)."""
     lines = [
-        "| system | mode | routing | T | num_sms | sm_budget | dispatch us | combine us | dispatch+combine us | "
+        "| system | mode | routing | T | num_senders | sm_budget | dispatch us | combine us | dispatch+combine us | "
         "dispatch GB/s (cross-link) | dispatch GB/s (received) | combine rel. error | note |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -690,7 +690,7 @@ def markdown_table(rows: list[dict]) -> str:
         error = row["extra"]["combine_error"]
         note = row.get("note", "").replace("|", "/").replace("\n", " ")
         lines.append(
-            f"| {row['system']} | {row['mode']} | {row['routing']} | {row['tokens']} | {row['num_sms'] or '-'} | "
+            f"| {row['system']} | {row['mode']} | {row['routing']} | {row['tokens']} | {row['num_senders'] or '-'} | "
             f"{row.get('sm_budget') or 'all'} | "
             f"{_cell(row['dispatch_us'])} | {_cell(row['combine_us'])} | {_cell(row['total_us'])} | "
             f"{_cell(row['cross_gbps'])} | {_cell(row['received_gbps'])} | "
@@ -777,7 +777,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--experts", type=int, help=f"global experts (GPU default {defaults.num_experts})")
     parser.add_argument("--topk", type=int, help=f"experts per token (GPU default {defaults.topk})")
     parser.add_argument("--backend", default=defaults.backend)
-    parser.add_argument("--num-sms", type=int, default=defaults.num_sms)
+    parser.add_argument("--num-senders", type=int, default=defaults.num_senders,
+                        help="blocks of dispatch that push rows to peers, within --sm-budget (config num_senders)")
     parser.add_argument("--repeats", type=int, help=f"timed runs per median (GPU default {defaults.repeats})")
     parser.add_argument("--no-baselines", action="store_true")
     parser.add_argument("--sm-budget", type=int, default=None,
@@ -793,8 +794,8 @@ def _parser() -> argparse.ArgumentParser:
                              "false, for inference with aligned segments)")
     parser.add_argument("--sweep-budget", type=int, nargs="*", default=[],
                         help=f"sm_budget values to time at T = {' '.join(map(str, defaults.sweep_tokens))}")
-    parser.add_argument("--sweep-senders", type=int, nargs="+", default=[], metavar="NUM_SMS",
-                        help="num_sms values (senders) to time at each --sweep-budget value (with several "
+    parser.add_argument("--sweep-senders", type=int, nargs="+", default=[], metavar="NUM_SENDERS",
+                        help="num_senders values to time at each --sweep-budget value (with several "
                              "ranks: at one, dispatch runs no senders)")
     parser.add_argument("--overlap", type=int, nargs="*", default=None, metavar="BUDGET",
                         help="time dispatch+combine beside a GEMM on another stream at these sm_budget values "
@@ -817,7 +818,7 @@ def _options(args: argparse.Namespace, gpus: int) -> BenchOptions:
     return BenchOptions(
         tokens=tuple(chosen["tokens"]), routings=tuple(chosen["routings"]), hidden=chosen["hidden"],
         num_experts=chosen["num_experts"], topk=chosen["topk"], backend=args.backend if gpus else "reference",
-        num_sms=args.num_sms, repeats=chosen["repeats"], baselines=not args.no_baselines,
+        num_senders=args.num_senders, repeats=chosen["repeats"], baselines=not args.no_baselines,
         sm_budget=args.sm_budget, slab_copies=args.slab_copies, expert_alignment=args.expert_alignment,
         zero_padding=not args.no_zero_padding, budget_sweep=tuple(args.sweep_budget),
         sender_sweep=tuple(args.sweep_senders),
@@ -833,7 +834,7 @@ def _check_options(options: BenchOptions, world_size: int) -> None:
         ConfigError: a size does not make a valid config for ``world_size`` ranks (names the option).
     """
     for name, values in (("--tokens", options.tokens), ("--repeats", (options.repeats,)),
-                         ("--sweep-budget", options.budget_sweep), ("--num-sms", (options.num_sms,)),
+                         ("--sweep-budget", options.budget_sweep), ("--num-senders", (options.num_senders,)),
                          ("--expert-alignment", (options.expert_alignment,)),
                          ("--sweep-senders", options.sender_sweep),
                          ("--overlap", options.overlap_budgets),
@@ -842,7 +843,7 @@ def _check_options(options: BenchOptions, world_size: int) -> None:
         if bad:
             raise ConfigError(f"{name}: got {' '.join(map(str, bad))}, expected positive integers")
     if options.sender_sweep and not options.budget_sweep:
-        raise ConfigError("--sweep-senders: times num_sms at each --sweep-budget value, and no --sweep-budget "
+        raise ConfigError("--sweep-senders: times num_senders at each --sweep-budget value, and no --sweep-budget "
                           "was given")
     _config(options, max(options.tokens), None, "float8_e4m3fn" if options.fp8 else None).check_world(world_size)
 
