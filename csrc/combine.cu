@@ -103,7 +103,7 @@ __device__ __forceinline__ void send_partials(RowBatch& batch, const i64* s_peer
                                               i64 off_stage_x, const void* y, int capacity_rows,
                                               const i32* recv_pos, const float* recv_weight, int weighted,
                                               bool wait_for_acks) {
-    typedef RowParts<COMBINE_SEND_VPL> Chunks;
+    typedef RowUnits<COMBINE_SEND_VPL> Units;
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int warps = blockDim.x >> 5;
@@ -112,12 +112,12 @@ __device__ __forceinline__ void send_partials(RowBatch& batch, const i64* s_peer
     bool acked = !wait_for_acks;
     for (i64 q = blockIdx.x; q < shape.count; q += gridDim.x) {
         const int listed = block_load_batch(batch, recv_pos, weighted ? recv_weight : nullptr, shape, q, -2);
-        for (int unit = warp; unit < listed * Chunks::kPerRow; unit += warps) {
-            const int r = batch.list[unit / Chunks::kPerRow];
-            const int chunk = unit - (unit / Chunks::kPerRow) * Chunks::kPerRow;
+        for (int unit = warp; unit < listed * Units::kPerRow; unit += warps) {
+            const int r = batch.list[unit / Units::kPerRow];
+            const int row_unit = unit - (unit / Units::kPerRow) * Units::kPerRow;
             const int pos = lane < TOPK ? batch.pos[r * TOPK + lane] : -1;
             const u32 kept = kept_entries(lane, pos, capacity_rows);
-            const int v0 = chunk * Chunks::kVecs + lane;
+            const int v0 = row_unit * Units::kVecs + lane;
             float acc[COMBINE_SEND_VPL][ELEMS_PER_VEC];
             zero_acc<COMBINE_SEND_VPL>(acc);
             sum_kept_rows(acc, rows, kept, [&](int k) { return batch.pos[r * TOPK + k]; },
@@ -139,7 +139,7 @@ __device__ __forceinline__ void send_partials(RowBatch& batch, const i64* s_peer
             if (s != rank) {  // staged in this rank's own allocation, the copy NVSHMEM reads
                 u8* staged = reinterpret_cast<u8*>(s_peer[rank] + off_stage_x) + g * ROW_BYTES;
                 store_unit<COMBINE_SEND_VPL>(staged, partial, v0);
-                put_unit<COMBINE_SEND_VPL>(dst, staged, chunk, s);
+                put_unit<COMBINE_SEND_VPL>(dst, staged, row_unit, s);
                 continue;
             }
 #endif
@@ -155,16 +155,16 @@ __device__ __forceinline__ void send_partials(RowBatch& batch, const i64* s_peer
 // send_mask [T, W] row t, in increasing r (zeros for a token sent nowhere).
 __device__ __forceinline__ void sum_partials(const i64* s_peer, int rank, int world, int max_tokens_per_rank, i64 off_ret_x,
                                              const u8* send_mask, int num_tokens, void* z) {
-    typedef RowParts<COMBINE_RECV_VPL> Chunks;
+    typedef RowUnits<COMBINE_RECV_VPL> Units;
     const int lane = threadIdx.x & 31;
     const int warps = blockDim.x >> 5;
     const u8* returned = reinterpret_cast<const u8*>(s_peer[rank] + off_ret_x);
-    const i64 num_units = static_cast<i64>(num_tokens) * Chunks::kPerRow;
+    const i64 num_units = static_cast<i64>(num_tokens) * Units::kPerRow;
     for (i64 unit = static_cast<i64>(blockIdx.x) * warps + (threadIdx.x >> 5); unit < num_units;
          unit += static_cast<i64>(gridDim.x) * warps) {
-        const int t = static_cast<int>(unit / Chunks::kPerRow);
-        const int chunk = static_cast<int>(unit - static_cast<i64>(t) * Chunks::kPerRow);
-        const int v0 = chunk * Chunks::kVecs + lane;
+        const int t = static_cast<int>(unit / Units::kPerRow);
+        const int row_unit = static_cast<int>(unit - static_cast<i64>(t) * Units::kPerRow);
+        const int v0 = row_unit * Units::kVecs + lane;
         float acc[COMBINE_RECV_VPL][ELEMS_PER_VEC];
         zero_acc<COMBINE_RECV_VPL>(acc);
         // Ranks in increasing order, up to four partial rows in flight at once.
@@ -210,18 +210,18 @@ __device__ __forceinline__ void sum_partials(const i64* s_peer, int rank, int wo
 // a token with no kept entry gets zeros.
 __device__ __forceinline__ void combine_own_tokens(const void* y, int capacity_rows, const i32* recv_pos,
                                                    const float* recv_weight, int weighted, int num_tokens, void* z) {
-    typedef RowParts<COMBINE_SEND_VPL> Chunks;
+    typedef RowUnits<COMBINE_SEND_VPL> Units;
     const int lane = threadIdx.x & 31;
     const int warps = blockDim.x >> 5;
-    const i64 num_units = static_cast<i64>(num_tokens) * Chunks::kPerRow;
+    const i64 num_units = static_cast<i64>(num_tokens) * Units::kPerRow;
     for (i64 unit = static_cast<i64>(blockIdx.x) * warps + (threadIdx.x >> 5); unit < num_units;
          unit += static_cast<i64>(gridDim.x) * warps) {
-        const i64 t = unit / Chunks::kPerRow;
-        const int chunk = static_cast<int>(unit - t * Chunks::kPerRow);
+        const i64 t = unit / Units::kPerRow;
+        const int row_unit = static_cast<int>(unit - t * Units::kPerRow);
         const int pos = lane < TOPK ? recv_pos[t * TOPK + lane] : -1;
         const float w = lane < TOPK && weighted ? recv_weight[t * TOPK + lane] : 1.0f;
         const u32 kept = kept_entries(lane, pos, capacity_rows);
-        const int v0 = chunk * Chunks::kVecs + lane;
+        const int v0 = row_unit * Units::kVecs + lane;
         float acc[COMBINE_SEND_VPL][ELEMS_PER_VEC];
         zero_acc<COMBINE_SEND_VPL>(acc);
         sum_kept_rows(acc, static_cast<const u8*>(y), kept, [&](int k) { return __shfl_sync(FULL_MASK, pos, k); },

@@ -6,7 +6,7 @@
 // timeouts into the device status word, the "last block done" pattern, and the remote writes of
 // both transports (the only code that differs between them).
 //
-// Compile-time defines (set by moe_comm/kernels.py; they fix the row shape):
+// Compile-time defines (set by moe_comm/cuda/kernels.py; they fix the row shape):
 //   DTYPE   bf16 | f16 | f32   element type of token rows
 //   HIDDEN  elements per row   (HIDDEN * element size is a multiple of 16 bytes)
 //   TOPK    columns of topk_idx (1..32)
@@ -17,7 +17,7 @@
 //
 // Values shared with Python (status word fields, channels, flag kinds, timeout phases, state
 // words and slots, limits, block shapes, META_WORDS) come from protocol.cuh, which
-// moe_comm/jit.py generates from moe_comm/protocol.py; none is written out here. How they are used:
+// moe_comm/cuda/jit.py generates from moe_comm/protocol.py; none is written out here. How they are used:
 //   * status word  int64 [STATUS_FIELDS], fields STATUS_*; status_* below write it.
 //   * flags        u64 at offset 0 of every rank's symmetric allocation:
 //                  flags[channel][kind][peer] (flag_at), channel CH_TO_DEST (dispatch, redispatch)
@@ -607,11 +607,11 @@ __device__ __forceinline__ void store_unit(u8* dst, const Vec16 (&vals)[VPL], in
 }
 
 #if PUT_TRANSPORT
-// Warp-wide: chunk `chunk` (kVecs vectors) of a row staged at `staged` in this rank's allocation
-// goes to `dst` on rank `pe`. The warp's stores of the staged chunk are ordered before the put.
+// Warp-wide: unit `row_unit` (kVecs vectors) of a row staged at `staged` in this rank's allocation
+// goes to `dst` on rank `pe`. The warp's stores of the staged unit are ordered before the put.
 template <int VPL>
-__device__ __forceinline__ void put_unit(u8* dst, const u8* staged, int chunk, int pe) {
-    const int first = chunk * 32 * VPL;
+__device__ __forceinline__ void put_unit(u8* dst, const u8* staged, int row_unit, int pe) {
+    const int first = row_unit * 32 * VPL;
     const int vecs = ROW_VECS - first < 32 * VPL ? ROW_VECS - first : 32 * VPL;
     __syncwarp();
     nvshmemx_putmem_nbi_warp(dst + static_cast<i64>(first) * 16, staged + static_cast<i64>(first) * 16,
@@ -767,9 +767,9 @@ __device__ __forceinline__ void end_call(const Call& call, u64* state, int slot,
 
 // Warp-level split of a row into chunks of 32 * VPL vectors (VPL vectors per lane), so several
 // warps can move one row (decode sizes have few rows). Python mirrors kPerRow to size grids
-// (kernels._parts_per_row); a mismatch there only changes the grid, never the result.
+// (kernels._units_per_row); a mismatch there only changes the grid, never the result.
 template <int VPL>
-struct RowParts {
+struct RowUnits {
     static constexpr int kVecs = 32 * VPL;
     static constexpr int kPerRow = (ROW_VECS + kVecs - 1) / kVecs;
 };

@@ -29,7 +29,7 @@
 //     send_mask [T, W] and dest_rank [T, K] (local outputs) are written and invalid expert ids
 //     are counted into the status word (count + smallest (R << 32 | t)). No done-counter or
 //     signal follows: a reader takes each word once it carries the call's tag.
-//   send rows (senders, one warp per (token, row part), one unit per warp per round): recv_x[R][t]
+//   send rows (senders, one warp per (token, row unit), one unit per warp per round): recv_x[R][t]
 //     of every OTHER rank t is sent to gets the x row, once per rank (16-byte stores); R's own
 //     rows are never copied, the expansion reads them from x. Tokens [c * chunk_tokens,
 //     (c + 1) * chunk_tokens) form chunk c (at most MAX_CHUNKS): after the round that moved its
@@ -119,11 +119,11 @@
 // rows already). Packed rows given as such (fp8.cu's pack_pairs) are copied like any rows.
 
 #if PUT_TRANSPORT
-// Warp-wide: what unit `chunk` of a quantized row stored into the staged row (store_fp8_unit) goes
+// Warp-wide: what unit `row_unit` of a quantized row stored into the staged row (store_fp8_unit) goes
 // to `dst` on rank `pe`: its e4m3 vectors, its blocks' scales (and the zeros after the last).
 template <int VPL>
-__device__ __forceinline__ void put_fp8_unit(u8* dst, const u8* staged, int chunk, int pe) {
-    const int first = chunk * 32 * VPL;
+__device__ __forceinline__ void put_fp8_unit(u8* dst, const u8* staged, int row_unit, int pe) {
+    const int first = row_unit * 32 * VPL;
     if (first >= FP8_VECS) return;
     const int vecs = FP8_VECS - first < 32 * VPL ? FP8_VECS - first : 32 * VPL;
     const int scales_begin = HIDDEN + 4 * (first / FP8_GROUP);
@@ -139,13 +139,13 @@ __device__ __forceinline__ void put_fp8_unit(u8* dst, const u8* staged, int chun
 // Warp-wide: send_token_unit's FP8 path, for own row t (fp8_source_unit): the unit in two halves
 // (a whole unit's DTYPE vectors at once would spill registers).
 __device__ __forceinline__ void send_fp8_unit(const i64* s_peer, int rank, i64 row_offset, const OwnRows& own, int t,
-                                              int chunk, int v0, u64 others) {
+                                              int row_unit, int v0, u64 others) {
     constexpr int kHalf = SEND_VPL / 2;
 #if PUT_TRANSPORT
     u8* staged = reinterpret_cast<u8*>(s_peer[rank] + row_offset);
 #else
     (void)rank;
-    (void)chunk;
+    (void)row_unit;
 #endif
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -165,7 +165,7 @@ __device__ __forceinline__ void send_fp8_unit(const i64* s_peer, int rank, i64 r
 #if PUT_TRANSPORT
     for (u64 m = others; m != 0ull; m &= m - 1ull) {
         const int r = __ffsll(static_cast<i64>(m)) - 1;
-        put_fp8_unit<SEND_VPL>(reinterpret_cast<u8*>(s_peer[r] + row_offset), staged, chunk, r);
+        put_fp8_unit<SEND_VPL>(reinterpret_cast<u8*>(s_peer[r] + row_offset), staged, row_unit, r);
     }
 #endif
 }
@@ -173,20 +173,20 @@ __device__ __forceinline__ void send_fp8_unit(const i64* s_peer, int rank, i64 r
 
 // ------------------------------------------------------------------------------- send phase
 
-// Warp-wide: unit `chunk` of own row t (OwnRows: x's row, or with `quantize` in FP8_ROWS builds
+// Warp-wide: unit `row_unit` of own row t (OwnRows: x's row, or with `quantize` in FP8_ROWS builds
 // the packed row built on the way, send_fp8_unit) to slab row recv_x[rank][t] of every OTHER rank
 // in `dests` (this rank's expand reads its own tokens from x). With puts the unit is first stored
 // into this rank's own slab row, the copy NVSHMEM reads.
 __device__ __forceinline__ void send_token_unit(const i64* s_peer, int rank, int max_tokens_per_rank, i64 off_recv_x,
-                                                const OwnRows& own, int t, int chunk, u64 dests) {
-    typedef RowParts<SEND_VPL> Chunks;
+                                                const OwnRows& own, int t, int row_unit, u64 dests) {
+    typedef RowUnits<SEND_VPL> Units;
     const u64 others = dests & ~(1ull << rank);
     if (others == 0ull) return;
     const i64 row_offset = off_recv_x + (static_cast<i64>(rank) * max_tokens_per_rank + t) * ROW_BYTES;
-    const int v0 = chunk * Chunks::kVecs + (threadIdx.x & 31);
+    const int v0 = row_unit * Units::kVecs + (threadIdx.x & 31);
 #if FP8_ROWS
     if (own.quantize) {
-        send_fp8_unit(s_peer, rank, row_offset, own, t, chunk, v0, others);
+        send_fp8_unit(s_peer, rank, row_offset, own, t, row_unit, v0, others);
         return;
     }
 #endif
@@ -197,7 +197,7 @@ __device__ __forceinline__ void send_token_unit(const i64* s_peer, int rank, int
     store_unit<SEND_VPL>(const_cast<u8*>(staged), vals, v0);
     for (u64 m = others; m != 0ull; m &= m - 1ull) {
         const int r = __ffsll(static_cast<i64>(m)) - 1;
-        put_unit<SEND_VPL>(reinterpret_cast<u8*>(s_peer[r] + row_offset), staged, chunk, r);
+        put_unit<SEND_VPL>(reinterpret_cast<u8*>(s_peer[r] + row_offset), staged, row_unit, r);
     }
 #else
     for (u64 m = others; m != 0ull; m &= m - 1ull) {
@@ -297,7 +297,7 @@ __device__ __forceinline__ void send_metadata(const i64* s_peer, int rank, int w
     }
 }
 
-// Block-wide, blocks [0, num_senders), one warp per (token, row chunk): token rows of x [T, H] to
+// Block-wide, blocks [0, num_senders), one warp per (token, row unit): token rows of x [T, H] to
 // the ranks of their experts (routed from topk_idx again: cheaper than waiting for send_mask). The
 // warps move one unit per round; tokens [c * chunk_tokens, (c + 1) * chunk_tokens) form chunk c,
 // and after the round that moved a chunk's last unit, the last sender block to get there
@@ -306,11 +306,11 @@ __device__ __forceinline__ void send_token_rows(u64* state, const i64* s_peer, i
                                                 u64 epoch, i64 off_recv_x, int num_experts, int num_senders,
                                                 int chunk_tokens, const OwnRows& own, const void* topk_idx,
                                                 int idx_is_64) {
-    typedef RowParts<SEND_VPL> Chunks;
+    typedef RowUnits<SEND_VPL> Units;
     const int warps = blockDim.x >> 5;
     const int num_local_experts = num_experts / world;
     const int num_tokens = own.num_tokens;
-    const i64 num_units = static_cast<i64>(num_tokens) * Chunks::kPerRow;
+    const i64 num_units = static_cast<i64>(num_tokens) * Units::kPerRow;
     const i64 per_round = static_cast<i64>(num_senders) * warps;
     const i64 rounds = (num_units + per_round - 1) / per_round;
     const int chunks = (num_tokens + chunk_tokens - 1) / chunk_tokens;
@@ -318,14 +318,14 @@ __device__ __forceinline__ void send_token_rows(u64* state, const i64* s_peer, i
     for (i64 round = 0; round < rounds; ++round) {
         const i64 unit = round * per_round + static_cast<i64>(blockIdx.x) * warps + (threadIdx.x >> 5);
         if (unit < num_units) {
-            const int t = static_cast<int>(unit / Chunks::kPerRow);
-            const int part = static_cast<int>(unit - static_cast<i64>(t) * Chunks::kPerRow);
+            const int t = static_cast<int>(unit / Units::kPerRow);
+            const int row_unit = static_cast<int>(unit - static_cast<i64>(t) * Units::kPerRow);
             const TokenRoute route = route_token(topk_idx, idx_is_64, t, num_experts, num_local_experts);
-            send_token_unit(s_peer, rank, max_tokens_per_rank, off_recv_x, own, t, part, route.dest_set);
+            send_token_unit(s_peer, rank, max_tokens_per_rank, off_recv_x, own, t, row_unit, route.dest_set);
         }
         for (; chunk < chunks; ++chunk) {
             const i64 last_token = imin64(static_cast<i64>(chunk + 1) * chunk_tokens, num_tokens) - 1;
-            if ((last_token + 1) * Chunks::kPerRow - 1 >= (round + 1) * per_round) break;  // ends in a later round
+            if ((last_token + 1) * Units::kPerRow - 1 >= (round + 1) * per_round) break;  // ends in a later round
             if (last_block_done(state + STATE_CHUNK_DONE + chunk, num_senders)) {
                 signal_every_rank(s_peer, rank, world, CH_TO_DEST, FLAG_CHUNK + chunk, epoch);
             }
@@ -337,15 +337,15 @@ __device__ __forceinline__ void send_token_rows(u64* state, const i64* s_peer, i
 // with send_mask[t, r] (blocks [0, num_senders)).
 __device__ __forceinline__ void send_rows(const i64* s_peer, int rank, int world, int max_tokens_per_rank, i64 off_recv_x,
                                           int num_senders, const OwnRows& own, const u8* send_mask) {
-    typedef RowParts<SEND_VPL> Chunks;
+    typedef RowUnits<SEND_VPL> Units;
     const int warps = blockDim.x >> 5;
-    const i64 num_units = static_cast<i64>(own.num_tokens) * Chunks::kPerRow;
+    const i64 num_units = static_cast<i64>(own.num_tokens) * Units::kPerRow;
     for (i64 unit = static_cast<i64>(blockIdx.x) * warps + (threadIdx.x >> 5); unit < num_units;
          unit += static_cast<i64>(num_senders) * warps) {
-        const int t = static_cast<int>(unit / Chunks::kPerRow);
-        const int chunk = static_cast<int>(unit - static_cast<i64>(t) * Chunks::kPerRow);
+        const int t = static_cast<int>(unit / Units::kPerRow);
+        const int row_unit = static_cast<int>(unit - static_cast<i64>(t) * Units::kPerRow);
         const u64 dests = warp_dest_set(send_mask + static_cast<i64>(t) * world, world);
-        send_token_unit(s_peer, rank, max_tokens_per_rank, off_recv_x, own, t, chunk, dests);
+        send_token_unit(s_peer, rank, max_tokens_per_rank, off_recv_x, own, t, row_unit, dests);
     }
 }
 

@@ -48,7 +48,7 @@ __device__ __forceinline__ void for_each_kept_row(int lane, int pos, PosAt pos_a
     }
 }
 
-// Warp-wide: unit `chunk` of slab row g to the out_x rows of its kept entries (lane k < TOPK holds
+// Warp-wide: unit `row_unit` of slab row g to the out_x rows of its kept entries (lane k < TOPK holds
 // entry k's recv_pos in `pos`; kept: in [0, capacity_rows)). Rows t >= own.packed of this rank's
 // own slab come from `own` (OwnRows: x, or built as they are read); the own rows below own.packed
 // and the others from recv_x, where their sources wrote them before a flag this block acquired. A
@@ -56,15 +56,15 @@ __device__ __forceinline__ void for_each_kept_row(int lane, int pos, PosAt pos_a
 // unit's loads are issued before `pos` is used, so a caller that has just loaded it from memory
 // waits for both at once. pos_at(k): entry k's position, for a kept k (warp-uniform).
 template <typename PosAt>
-__device__ __forceinline__ void copy_row_unit(i64 g, int chunk, int pos, PosAt pos_at, const u8* recv,
+__device__ __forceinline__ void copy_row_unit(i64 g, int row_unit, int pos, PosAt pos_at, const u8* recv,
                                               const OwnRows& own, int rank, int max_tokens_per_rank, int capacity_rows,
                                               u8* out) {
-    typedef RowParts<EXPAND_VPL> Chunks;
+    typedef RowUnits<EXPAND_VPL> Units;
     const int lane = threadIdx.x & 31;
     const i64 t = g - static_cast<i64>(rank) * max_tokens_per_rank;
     const bool from_x = t >= own.packed && t < max_tokens_per_rank;  // own.packed >= 0: g is in the own slab
     if (from_x && t >= own.num_tokens) return;
-    const int v0 = chunk * Chunks::kVecs + lane;
+    const int v0 = row_unit * Units::kVecs + lane;
     Vec16 vals[EXPAND_VPL];
 #if FP8_ROWS
     if (from_x && own.quantize) {
@@ -86,13 +86,13 @@ __device__ __forceinline__ void copy_row_unit(i64 g, int chunk, int pos, PosAt p
 // Block-wide: copy_row_unit for every unit of the listed rows of `batch` (slab rows batch.row[...]).
 __device__ __forceinline__ void copy_listed_rows(const RowBatch& batch, int listed, const u8* recv, const OwnRows& own,
                                                  int rank, int max_tokens_per_rank, int capacity_rows, u8* out) {
-    typedef RowParts<EXPAND_VPL> Chunks;
+    typedef RowUnits<EXPAND_VPL> Units;
     const int lane = threadIdx.x & 31;
     const int warps = blockDim.x >> 5;
-    for (int unit = threadIdx.x >> 5; unit < listed * Chunks::kPerRow; unit += warps) {
-        const int r = batch.list[unit / Chunks::kPerRow];
-        const int chunk = unit - (unit / Chunks::kPerRow) * Chunks::kPerRow;
-        copy_row_unit(batch.row[r], chunk, lane < TOPK ? batch.pos[r * TOPK + lane] : -1,
+    for (int unit = threadIdx.x >> 5; unit < listed * Units::kPerRow; unit += warps) {
+        const int r = batch.list[unit / Units::kPerRow];
+        const int row_unit = unit - (unit / Units::kPerRow) * Units::kPerRow;
+        copy_row_unit(batch.row[r], row_unit, lane < TOPK ? batch.pos[r * TOPK + lane] : -1,
                       [&](int k) { return batch.pos[r * TOPK + k]; }, recv, own, rank, max_tokens_per_rank,
                       capacity_rows, out);
     }
@@ -126,13 +126,13 @@ __device__ __forceinline__ void expand_units(int first_block, int blocks, const 
                                              const u8* recv, const OwnRows& own, int rank, int world,
                                              int max_tokens_per_rank, const i32* positions, int capacity_rows,
                                              u8* out) {
-    typedef RowParts<EXPAND_VPL> Chunks;
+    typedef RowUnits<EXPAND_VPL> Units;
     const int lane = threadIdx.x & 31;
     const i64 warps = blockDim.x >> 5;
     const i64 rows = s_begin[world];
-    const i64 units = rows * Chunks::kPerRow;
+    const i64 units = rows * Units::kPerRow;
     for (i64 unit = (threadIdx.x >> 5) * blocks + (blockIdx.x - first_block); unit < units; unit += blocks * warps) {
-        i64 v = unit / Chunks::kPerRow + s_begin[rank];
+        i64 v = unit / Units::kPerRow + s_begin[rank];
         if (v >= rows) v -= rows;
         const i64 g = slab_row_of(s_begin, world, max_tokens_per_rank, v);
         const int source = static_cast<int>(g / max_tokens_per_rank);
@@ -143,7 +143,7 @@ __device__ __forceinline__ void expand_units(int first_block, int blocks, const 
                           arrivals.epoch, arrivals.status, TIMEOUT_TO_DEST_ARRIVAL, source, arrivals.timeout_ns);
         }
         const int pos = lane < TOPK ? positions[g * TOPK + lane] : -1;
-        copy_row_unit(g, static_cast<int>(unit % Chunks::kPerRow), pos,
+        copy_row_unit(g, static_cast<int>(unit % Units::kPerRow), pos,
                       [&](int k) { return __shfl_sync(FULL_MASK, pos, k); }, recv, own, rank, max_tokens_per_rank,
                       capacity_rows, out);
     }
@@ -285,11 +285,11 @@ __device__ __forceinline__ void layout_segments(i32* s_end, i32* s_kept, i32* s_
 // block of the group takes every group-th batch.
 __device__ __forceinline__ void zero_padding(const i32* s_end, const i32* s_pad, int num_local_experts, int capacity_rows,
                                              int first_block, int last_block, u64* tickets, u8* out) {
-    typedef RowParts<EXPAND_VPL> Chunks;
+    typedef RowUnits<EXPAND_VPL> Units;
     __shared__ i64 s_next;  // the block's next batch
     const int lane = threadIdx.x & 31;
     const int warps = blockDim.x >> 5;
-    const i64 pad_units = static_cast<i64>(s_pad[num_local_experts - 1]) * Chunks::kPerRow;
+    const i64 pad_units = static_cast<i64>(s_pad[num_local_experts - 1]) * Units::kPerRow;
     const int group = last_block - first_block;
     // Fewer units a warp when they fill the group's blocks in one batch each (T=1: one unit a warp
     // on as many blocks as it takes; four a warp on 14 blocks cost ~1.6 us of per-SM store rate).
@@ -312,14 +312,14 @@ __device__ __forceinline__ void zero_padding(const i32* s_end, const i32* s_pad,
         if (ticketed) next = threadIdx.x == 0 ? ticket_batch(tickets, group) : batches;
         const i64 end = imin64((q + 1) * per_batch, pad_units);
         for (i64 unit = q * per_batch + (threadIdx.x >> 5); unit < end; unit += warps) {
-            const int p = static_cast<int>(unit / Chunks::kPerRow);
-            const int chunk = static_cast<int>(unit - static_cast<i64>(p) * Chunks::kPerRow);
+            const int p = static_cast<int>(unit / Units::kPerRow);
+            const int row_unit = static_cast<int>(unit - static_cast<i64>(p) * Units::kPerRow);
             // The first expert j with s_pad[j] > p (p < s_pad[num_local_experts - 1]).
             const int lo = count_at_most(s_pad, num_local_experts - 1, p);
             const int row = s_end[lo] - (s_pad[lo] - p);
             if (row < capacity_rows) {
                 store_unit<EXPAND_VPL, kEvictFirst>(out + static_cast<i64>(row) * ROW_BYTES, zeros,
-                                                    chunk * Chunks::kVecs + lane);
+                                                    row_unit * Units::kVecs + lane);
             }
         }
         if (ticketed) {
@@ -365,7 +365,7 @@ __device__ __forceinline__ ExpandRoles expand_roles(int early, int layout_first,
                                                     bool replicated, bool zero_pad) {
     const i64 warps = blockDim.x >> 5;
     const int group = grid - early;
-    const i64 unit_copies = static_cast<i64>(num_tokens) * RowParts<EXPAND_VPL>::kPerRow * ((TOPK + world - 1) / world);
+    const i64 unit_copies = static_cast<i64>(num_tokens) * RowUnits<EXPAND_VPL>::kPerRow * ((TOPK + world - 1) / world);
     const i64 copy_warps = (unit_copies + ROLE_COPIES_PER_WARP - 1) / ROLE_COPIES_PER_WARP;
     const int own = static_cast<int>((copy_warps + warps - 1) / warps);
     const bool split = 2 * own <= group && (world == 1 ? replicated : layout_first > early);
@@ -391,5 +391,5 @@ __device__ __forceinline__ ExpandRoles expand_roles(int early, int layout_first,
 __device__ __forceinline__ bool own_blocks_join_padding(const LayoutShared& shared, int num_local_experts, int alignment,
                                                         int capacity, int pad_blocks) {
     const i64 rows = layout_segment_end(shared, num_local_experts - 1, alignment, capacity);
-    return rows * RowParts<EXPAND_VPL>::kPerRow > static_cast<i64>(pad_blocks) * (blockDim.x >> 5) * PAD_BATCH_UNITS;
+    return rows * RowUnits<EXPAND_VPL>::kPerRow > static_cast<i64>(pad_blocks) * (blockDim.x >> 5) * PAD_BATCH_UNITS;
 }

@@ -2,7 +2,7 @@
 // dispatch.cu (FP8 dispatch quantizing config-dtype rows as it sends them and packing its own
 // rows), so both give the bytes of moe_comm.fp8.pack(*moe_comm.fp8.quantize(x)) (round_scale false).
 //
-// Rows are quantized by units, as the kernels move rows (common.cuh's RowParts, over the e4m3
+// Rows are quantized by units, as the kernels move rows (common.cuh's RowUnits, over the e4m3
 // vectors of a packed row): lane l of a warp holds e4m3 vectors v0 + 32 u (u < VPL), each the 16
 // channels of ELEM_BYTES DTYPE vectors, so FP8_GROUP aligned lanes hold one block.
 //
@@ -89,7 +89,7 @@ __device__ __forceinline__ void fp8_encode(const float (&f)[N], float scale, u32
 }
 
 // The row's scale quad (its blocks 4 * quad .. 4 * quad + 3) that this lane holds in unit v0
-// (RowParts numbering, lane included): the unit's first quad (its first vector / FP8_GROUP is a
+// (RowUnits numbering, lane included): the unit's first quad (its first vector / FP8_GROUP is a
 // multiple of 4) plus the lane; lanes q < VPL hold one.
 __device__ __forceinline__ int scale_quad_of_lane(int v0) {
     return (v0 & ~31) / (4 * FP8_GROUP) + (threadIdx.x & 31);
@@ -122,11 +122,11 @@ __device__ __forceinline__ Vec16 gather_scale_quads(const float (&scales)[VPL], 
     return quad;
 }
 
-// Warp-wide: unit v0 (RowParts numbering) of the DTYPE row at src_row, quantized: lane l gets
+// Warp-wide: unit v0 (RowUnits numbering) of the DTYPE row at src_row, quantized: lane l gets
 // the e4m3 vectors v0 + 32 u (u < VPL, those < FP8_VECS) in vals, and the unit's scale quads in quad.
 template <int VPL>
 __device__ __forceinline__ void quantize_unit(const u8* src_row, Vec16 (&vals)[VPL], Vec16& quad, int v0) {
-    const int warp_v0 = v0 & ~31;  // the same for the whole warp: whole parts past the row are skipped
+    const int warp_v0 = v0 & ~31;  // the same for the whole warp: whole units past the row are skipped
     Vec16 raw[VPL][ELEM_BYTES];    // the ELEM_BYTES DTYPE vectors of an e4m3 vector's 16 channels
 #pragma unroll
     for (int u = 0; u < VPL; ++u) {
@@ -144,10 +144,10 @@ __device__ __forceinline__ void quantize_unit(const u8* src_row, Vec16 (&vals)[V
         float f[16];
 #pragma unroll
         for (int i = 0; i < ELEM_BYTES; ++i) {
-            float part[ELEMS_PER_VEC];
-            unpack16(raw[u][i], part);
+            float elems[ELEMS_PER_VEC];
+            unpack16(raw[u][i], elems);
 #pragma unroll
-            for (int e = 0; e < ELEMS_PER_VEC; ++e) f[i * ELEMS_PER_VEC + e] = part[e];
+            for (int e = 0; e < ELEMS_PER_VEC; ++e) f[i * ELEMS_PER_VEC + e] = elems[e];
         }
         scales[u] = fp8_block_scale<FP8_GROUP>(f);
         fp8_encode(f, scales[u], vals[u].w);
@@ -211,10 +211,10 @@ __device__ __forceinline__ void store_fp8_unit(u8* dst, const Vec16 (&vals)[VPL]
 template <int VPL>
 __device__ __forceinline__ void quantize_rows(const u8* x, int num_tokens, u8* packed, i64 warp, i64 warps) {
     constexpr int kUnitVecs = 32 * VPL;
-    constexpr int kParts = (FP8_VECS + kUnitVecs - 1) / kUnitVecs;
-    for (i64 unit = warp; unit < static_cast<i64>(num_tokens) * kParts; unit += warps) {
-        const i64 t = unit / kParts;
-        const int v0 = static_cast<int>(unit - t * kParts) * kUnitVecs + (threadIdx.x & 31);
+    constexpr int kUnits = (FP8_VECS + kUnitVecs - 1) / kUnitVecs;
+    for (i64 unit = warp; unit < static_cast<i64>(num_tokens) * kUnits; unit += warps) {
+        const i64 t = unit / kUnits;
+        const int v0 = static_cast<int>(unit - t * kUnits) * kUnitVecs + (threadIdx.x & 31);
         Vec16 vals[VPL];
         Vec16 quad;
         quantize_unit<VPL>(x + t * SOURCE_ROW_BYTES, vals, quad, v0);

@@ -52,8 +52,8 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _parts_per_row(row_bytes: int, vectors_per_lane: int) -> int:
-    """csrc RowParts<VPL>::kPerRow: warps that share one row."""
+def _units_per_row(row_bytes: int, vectors_per_lane: int) -> int:
+    """csrc RowUnits<VPL>::kPerRow: warps that share one row."""
     return _cdiv(row_bytes // 16, 32 * vectors_per_lane)
 
 
@@ -175,7 +175,7 @@ class Fp8PackKernels:
     def quantize_pack(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, H]`` (the config dtype) -> packed rows ``[T, packed_row_bytes(H)]`` uint8."""
         packed = empty_rows(x.shape[0], self._row_bytes, torch.uint8, self._device)
-        units = x.shape[0] * _parts_per_row(self._hidden, protocol.FP8_UNIT_VPL)  # a warp each; H e4m3 bytes a row
+        units = x.shape[0] * _units_per_row(self._hidden, protocol.FP8_UNIT_VPL)  # a warp each; H e4m3 bytes a row
         grid = self._grid(32 * units, self._THREADS)
         self._quantize_pack.launch(grid, self._THREADS,
                                    self._quantize_params.fill((x.data_ptr(), x.shape[0], packed.data_ptr())))
@@ -299,7 +299,7 @@ class DispatchKernels:
         self._grid = grid_sms
         self._num_senders = min(num_senders, grid_sms)
         self._world_size = args.world_size
-        self._send_parts = _parts_per_row(regions.row_bytes, protocol.SEND_VPL)
+        self._send_units = _units_per_row(regions.row_bytes, protocol.SEND_VPL)
         prefix = args.prefix()
 
         # About LAYOUT_ROWS_PER_BLOCK slab rows per layout block; the layout blocks publish their
@@ -334,7 +334,7 @@ class DispatchKernels:
 
     def _senders(self, num_tokens: int) -> int:
         """Blocks that push rows: at most ``num_senders``, no more than the tokens' units need."""
-        return max(1, min(self._num_senders, _cdiv(num_tokens * self._send_parts, protocol.DISPATCH_THREADS // 32)))
+        return max(1, min(self._num_senders, _cdiv(num_tokens * self._send_units, protocol.DISPATCH_THREADS // 32)))
 
     def dispatch(
         self,
@@ -416,7 +416,7 @@ class CombineKernels:
         # One rank has a kernel of its own (no slab, nothing to wait for), on as many blocks as its
         # units fill: it has no phase that waits for other blocks.
         self._combine = load("combine" if args.world_size > 1 else "combine_one_rank")
-        self._one_rank_parts = _parts_per_row(regions.row_bytes, protocol.COMBINE_SEND_VPL) if args.world_size == 1 else 0
+        self._one_rank_units = _units_per_row(regions.row_bytes, protocol.COMBINE_SEND_VPL) if args.world_size == 1 else 0
         self._values_send = load("values_send")
         self._values_recv = load("values_recv")
         self._topk = regions.topk
@@ -442,8 +442,8 @@ class CombineKernels:
             z.shape[0], z.data_ptr(),
         ))
         grid = self._grid
-        if self._one_rank_parts:
-            units = z.shape[0] * self._one_rank_parts
+        if self._one_rank_units:
+            units = z.shape[0] * self._one_rank_units
             grid = max(1, min(grid, _cdiv(units, protocol.COMBINE_THREADS // 32)))
         self._combine.launch(grid, protocol.COMBINE_THREADS, params)
 
