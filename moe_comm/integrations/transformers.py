@@ -24,6 +24,7 @@ this rank's tensors from the checkpoint's safetensors files with
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional, Union
 
@@ -34,8 +35,9 @@ from ..config import DTYPES, Config, load_config
 from ..dispatcher import Dispatcher
 from ..errors import ConfigError, InputError
 from ..experts import check_padding_for_gradients, expert_of_rows, resolve_expert_impl
+from .expert_checkpoints import attach_expert_ids, save_pretrained
 
-__all__ = ["IMPLEMENTATION", "expert_parallel"]
+__all__ = ["IMPLEMENTATION", "expert_parallel", "save_pretrained"]
 
 IMPLEMENTATION = "moe_comm"
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
@@ -250,8 +252,11 @@ def expert_parallel(
                 kept = getattr(module, name).detach()[first:first + local].clone()
                 setattr(module, name, nn.Parameter(kept, requires_grad=getattr(module, name).requires_grad))
         module.num_experts = local
+        attach_expert_ids(module, names[id(module)], first, local)
         module._moe_comm_dispatcher = dispatcher
         module.config._experts_implementation = IMPLEMENTATION
     model.config._experts_implementation = IMPLEMENTATION
     model.moe_comm_dispatcher = dispatcher
+    if hasattr(model, "save_pretrained"):
+        model.save_pretrained = functools.partial(save_pretrained, model)
     return model
