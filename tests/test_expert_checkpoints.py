@@ -19,21 +19,27 @@ WORLD = 2
 
 
 def _rank_round_trip(rank: int, world: int, directory: str) -> dict:
-    unmodified = build_model("qwen3_moe", num_experts=8)
-    model = expert_parallel(build_model("qwen3_moe", num_experts=8), backend="reference")
-    model.save_pretrained(directory)
-    # Every rank returns from save_pretrained once rank 0 has written: each loads the checkpoint.
-    loaded = type(unmodified).from_pretrained(directory)
-    input_ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(rank))
-    with torch.no_grad():
-        diff = (loaded(input_ids).logits - unmodified(input_ids).logits).abs().max().item()
-    same = all(torch.equal(loaded.state_dict()[key], value) for key, value in unmodified.state_dict().items())
-    return dict(diff=diff, same=same, keys=sorted(loaded.state_dict()) == sorted(unmodified.state_dict()))
+    results = {}
+    # An experts-interface family and an adapted block with DBRX's flat [E * F, H] expert weights.
+    for arch in ("qwen3_moe", "dbrx"):
+        unmodified = build_model(arch, num_experts=8)
+        model = expert_parallel(build_model(arch, num_experts=8), backend="reference")
+        model.save_pretrained(f"{directory}/{arch}")
+        # Every rank returns from save_pretrained once rank 0 has written: each loads the checkpoint.
+        loaded = type(unmodified).from_pretrained(f"{directory}/{arch}")
+        input_ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(rank))
+        with torch.no_grad():
+            diff = (loaded(input_ids).logits - unmodified(input_ids).logits).abs().max().item()
+        same = all(torch.equal(loaded.state_dict()[key], value) for key, value in unmodified.state_dict().items())
+        results[arch] = dict(diff=diff, same=same, keys=sorted(loaded.state_dict()) == sorted(unmodified.state_dict()))
+        model.moe_comm_dispatcher.close()
+    return results
 
 
 def test_save_pretrained_writes_every_expert_and_the_unmodified_class_loads_it(tmp_path):
-    for rank, result in enumerate(run_ranks(_rank_round_trip, WORLD, str(tmp_path), timeout_s=120)):
-        assert result == dict(diff=0.0, same=True, keys=True), f"rank {rank}: {result}"
+    for rank, results in enumerate(run_ranks(_rank_round_trip, WORLD, str(tmp_path), timeout_s=120)):
+        for arch, result in results.items():
+            assert result == dict(diff=0.0, same=True, keys=True), f"rank {rank} {arch}: {result}"
 
 
 def _rank_foreign(rank: int, world: int) -> dict:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -155,37 +155,64 @@ def _local_experts(module: nn.Module, rows: torch.Tensor, expert_offsets: torch.
     return out.to(rows.dtype)
 
 
-def _moe_comm_experts_forward(
-    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-) -> torch.Tensor:
-    """The ``"moe_comm"`` experts implementation: ``[T, H]`` -> dispatch -> local experts -> combine -> ``[T, H]``.
+def check_experts_call(module: nn.Module, dispatcher: Dispatcher, hidden_states: torch.Tensor) -> None:
+    """Refuse a call whose dtype the dispatcher was not built for, or gradients through unzeroed padding.
 
+    Raises:
+        InputError: ``hidden_states`` is not in the dtype the model was made expert-parallel for.
+        ConfigError: ``zero_padding`` is off and ``module``'s parameters require grad.
+    """
+    if hidden_states.dtype != dispatcher.config.torch_dtype:
+        raise InputError(f"{type(module).__name__} hidden_states: the model runs in {hidden_states.dtype} but was "
+                         f"made expert-parallel for {dispatcher.config.dtype}: convert it before expert_parallel, or "
+                         f"pass expert_parallel(..., dtype=...) with the dtype it will run in")
+    check_padding_for_gradients(dispatcher.config, module.parameters(), f"{type(module).__name__} (moe_comm experts)")
+
+
+def dispatched(dispatcher: Dispatcher, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+               top_k_weights: torch.Tensor,
+               local_experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``hidden_states [T, H]`` -> dispatch -> ``local_experts(rows [N, H], expert_offsets [E_local])`` -> combine -> ``[T, H]``.
+
+    ``top_k_index`` ``[T, K]`` global expert ids, ``top_k_weights`` ``[T, K]`` (any float dtype: the
+    combine weights). ``local_experts`` returns ``[N, H]`` (rows past the last segment zero).
     More than ``max_tokens_per_rank`` tokens go in batch slices of that many (one dispatch/combine
     pair each; every rank must make as many, as with :class:`moe_comm.MoELayer`).
     """
-    dispatcher: Dispatcher = self._moe_comm_dispatcher
-    if hidden_states.dtype != dispatcher.config.torch_dtype:
-        raise InputError(f"{type(self).__name__} hidden_states: the model runs in {hidden_states.dtype} but was made "
-                         f"expert-parallel for {dispatcher.config.dtype}: convert it before expert_parallel, or "
-                         f"pass expert_parallel(..., dtype=...) with the dtype it will run in")
-    check_padding_for_gradients(dispatcher.config, self.parameters(), f"{type(self).__name__} (moe_comm experts)")
-    grouped = resolve_expert_impl(dispatcher.config, hidden_states.device, _ffn_hidden(self)) == "grouped_mm"
     size = dispatcher.config.max_tokens_per_rank
     pieces = []
     for tokens, topk_idx, topk_weights in zip(hidden_states.split(size), top_k_index.split(size),
                                               top_k_weights.split(size)):
         out = dispatcher.dispatch(tokens.contiguous(), topk_idx.contiguous(), topk_weights.float().contiguous())
         # FP8 dispatch (dispatch_dtype): the experts run on the dequantized rows (differentiable straight through).
-        rows = _local_experts(self, dispatcher.dequantize(out), out.expert_offsets, grouped)
+        rows = local_experts(dispatcher.dequantize(out), out.expert_offsets)
         pieces.append(dispatcher.combine(rows.contiguous(), out.handle))
     combined = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
     return combined.to(hidden_states.dtype)
+
+
+def _moe_comm_experts_forward(
+    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """The ``"moe_comm"`` experts implementation: ``[T, H]`` -> dispatch -> local experts -> combine -> ``[T, H]``."""
+    dispatcher: Dispatcher = self._moe_comm_dispatcher
+    check_experts_call(self, dispatcher, hidden_states)
+    grouped = resolve_expert_impl(dispatcher.config, hidden_states.device, _ffn_hidden(self)) == "grouped_mm"
+    return dispatched(dispatcher, hidden_states, top_k_index, top_k_weights,
+                      lambda rows, offsets: _local_experts(self, rows, offsets, grouped))
 
 
 def _register() -> None:
     from transformers.integrations.moe import ExpertsInterface
 
     ExpertsInterface.register(IMPLEMENTATION, _moe_comm_experts_forward)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    """The config's name of the experts' ``dtype``; ConfigError for one moe_comm does not move."""
+    if dtype not in _DTYPE_NAMES:
+        raise ConfigError(f"expert_parallel: experts in {dtype}; moe_comm moves {', '.join(DTYPES)}")
+    return _DTYPE_NAMES[dtype]
 
 
 def _model_shape(model: nn.Module, modules: list[nn.Module]) -> dict:
@@ -198,9 +225,16 @@ def _model_shape(model: nn.Module, modules: list[nn.Module]) -> dict:
     if len(sizes) != 1:
         raise ConfigError(f"expert_parallel: the model's experts modules differ in expert count or dtype: {sizes}")
     ((experts, dtype),) = sizes
-    if dtype not in _DTYPE_NAMES:
-        raise ConfigError(f"expert_parallel: experts in {dtype}; moe_comm moves {', '.join(DTYPES)}")
-    return dict(num_experts=int(experts), topk=int(topk), hidden=int(config.hidden_size), dtype=_DTYPE_NAMES[dtype])
+    return dict(num_experts=int(experts), topk=int(topk), hidden=int(config.hidden_size), dtype=_dtype_name(dtype))
+
+
+def _blocks_shape(blocks: list) -> dict:
+    """``num_experts``, ``topk`` (the dispatcher's), ``hidden`` and ``dtype`` of the adapted MoE blocks."""
+    shapes = {family.shape(block) for block, family in blocks}
+    if len(shapes) != 1:
+        raise ConfigError(f"expert_parallel: the model's MoE blocks differ in experts, top-k, width or dtype: {shapes}")
+    ((experts, topk, hidden, dtype),) = shapes
+    return dict(num_experts=int(experts), topk=int(topk), hidden=int(hidden), dtype=_dtype_name(dtype))
 
 
 def expert_parallel(
@@ -231,13 +265,17 @@ def expert_parallel(
         ConfigError: the model has no such experts module, an experts class has a layout this
             cannot handle or weights of the wrong shape, or the world size does not divide the experts.
     """
+    # Imported here: the block families build on this module's helpers.
+    from .transformers_blocks import BLOCK_FAMILIES, find_blocks, keep_local
+
     if hasattr(model, "moe_comm_dispatcher"):
         raise ConfigError(f"expert_parallel: this {type(model).__name__} is expert-parallel already")
-    modules = _experts_modules(model)
-    if not modules:
+    modules, blocks = _experts_modules(model), find_blocks(model)
+    if not modules and not blocks:
         raise ConfigError(f"expert_parallel: {type(model).__name__} has no MoE experts module using transformers' "
-                          "experts interface (@use_experts_implementation)")
-    shape = _model_shape(model, modules)
+                          f"experts interface (@use_experts_implementation) nor an MoE block moe_comm adapts "
+                          f"({', '.join(BLOCK_FAMILIES)}); bring its experts to moe_comm.MoELayer with MoEWeights")
+    shape = _model_shape(model, modules) if modules else _blocks_shape(blocks)
     names = {id(m): _check_layout(m, shape["hidden"]) for m in modules}
     if isinstance(config, Config):
         config = config.to_dict()
@@ -245,7 +283,9 @@ def expert_parallel(
     dispatcher = Dispatcher(moe_config, group)
     local = dispatcher.num_local_experts
     first = dispatcher.rank * local
-    _register()
+    if modules:
+        _register()
+        model.config._experts_implementation = IMPLEMENTATION
     for module in modules:
         with torch.no_grad():
             for name in names[id(module)]:
@@ -255,7 +295,8 @@ def expert_parallel(
         attach_expert_ids(module, names[id(module)], first, local)
         module._moe_comm_dispatcher = dispatcher
         module.config._experts_implementation = IMPLEMENTATION
-    model.config._experts_implementation = IMPLEMENTATION
+    for block, family in blocks:
+        keep_local(block, family, dispatcher)
     model.moe_comm_dispatcher = dispatcher
     if hasattr(model, "save_pretrained"):
         model.save_pretrained = functools.partial(save_pretrained, model)
