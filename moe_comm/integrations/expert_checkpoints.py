@@ -72,9 +72,9 @@ def _check_expert_ids(module: nn.Module, state_dict: dict, prefix: str, *args) -
         )
 
 
-def _sliced_names(model: nn.Module) -> dict[str, nn.Module]:
-    """Every sliced parameter's state-dict key -> its experts module."""
-    return {f"{prefix}.{name}" if prefix else name: module
+def _sliced_keys(model: nn.Module) -> set[str]:
+    """The state-dict keys of every parameter sliced to this rank's experts."""
+    return {f"{prefix}.{name}" if prefix else name
             for prefix, module in model.named_modules() if hasattr(module, "_moe_comm_sliced")
             for name in module._moe_comm_sliced}
 
@@ -86,7 +86,7 @@ def gathered_state_dict(model: nn.Module, dispatcher: Dispatcher) -> dict[str, t
     rank 0 one at a time (``[E_local, ...]`` from each rank -> ``[E, ...]``); the id buffers are
     left out. Rank 0 holds the whole checkpoint in CPU memory.
     """
-    sliced = _sliced_names(model)
+    sliced = _sliced_keys(model)
     state = model.state_dict()
     dst = dist.get_global_rank(dispatcher.group, 0) if dispatcher.group is not None else 0
     root = dispatcher.rank == 0

@@ -8,6 +8,10 @@ is looked up by name (``config._experts_implementation``) in ``ExpertsInterface`
 :func:`expert_parallel` registers the name ``"moe_comm"`` there, keeps on each rank only its
 experts' weights and selects that name for the model: the experts' forward becomes dispatch ->
 this rank's experts -> combine. The router and any shared experts are the model's own, untouched.
+Llama 4 (text), DBRX and JetMoE, whose experts are outside that interface, get their MoE blocks
+adapted instead (:mod:`.transformers_blocks`). Every rank must make the same forward calls (the
+dispatches are collective). ``model.save_pretrained`` becomes collective and writes every expert,
+and a state dict of another rank's experts is refused (:mod:`.expert_checkpoints`).
 
 Loading only this rank's experts from a checkpoint: ``from_pretrained`` loads every weight. Load
 on the CPU (``device_map="cpu"``, the default), call :func:`expert_parallel` (which keeps this
@@ -250,10 +254,14 @@ def expert_parallel(
     order. Global expert ``e`` lives on rank ``e // (E / world_size)``; each rank keeps those
     experts' weights (their other slices are freed) and every MoE layer's experts forward
     dispatches its tokens to the ranks of their experts, runs this rank's experts on what it
-    received and combines the results back. One :class:`moe_comm.Dispatcher` serves every layer.
+    received and combines the results back. One :class:`moe_comm.Dispatcher` serves every layer:
+    ``model.moe_comm_dispatcher`` (``check()`` it between steps, ``close()`` it when done).
+    ``model.save_pretrained`` (when the model has one) is replaced by the collective
+    :func:`save_pretrained`, and each experts module's state dict carries its expert ids.
 
     Args:
-        model: a loaded transformers model whose experts use transformers' experts interface.
+        model: a loaded transformers model whose experts use transformers' experts interface, or
+            with MoE blocks of a family :mod:`.transformers_blocks` adapts (Llama 4 text, DBRX, JetMoE).
         config: a moe_comm :class:`Config`, a YAML path, or None for the embedded default;
             ``num_experts``, ``topk``, ``hidden`` and ``dtype`` are taken from the model (an
             override wins: ``dtype="bfloat16"`` for a model that is converted afterwards).
