@@ -159,7 +159,8 @@ def check_fits(config: Config, world_size: int, backend: str, ffn_hidden: int, g
         where = f"of the {available / 2**30:.1f} GiB of GPU 0"
     else:
         needed, available = world_size * per_rank, _host_available_bytes()
-        where = f"({world_size} ranks x {per_rank / 2**30:.1f} GiB) of the {available / 2**30:.1f} GiB this host has available"
+        where = (f"({world_size} ranks x {per_rank / 2**30:.1f} GiB) of the {available / 2**30:.1f} GiB this host "
+                 "has available")
     if needed <= available:
         return
     held = "; ".join(f"{term.what}: {term.nbytes / 2**30:.1f} GiB (lower {term.lower})" for term in terms)

@@ -1,10 +1,10 @@
 """One rank of a short two-rank run that ends as a user's script does: ``python tests/exit_rank.py RANK PORT``.
 
-Joins a gloo group of two (rank 0 hosts the rendezvous store on PORT, as ``tcp://`` does), builds a ``reference`` Dispatcher, makes one
-dispatch/combine and returns, closing nothing (neither the Dispatcher nor the process group): the
-interpreter then finalizes with everything alive, as at the end of a script. The GIL switch
-interval is long, so nothing but a blocking call hands the GIL to another thread (gloo's workers
-among them) between the last exchange and the exit, as in a script that ends right after its last step.
+Joins a gloo group of two (rank 0 hosts the rendezvous store on PORT, as ``tcp://`` does), builds a
+``reference`` Dispatcher, makes one dispatch/combine and returns, closing nothing (neither the
+Dispatcher nor the process group): the interpreter then finalizes with everything alive, as at the
+end of a script. The GIL switch interval is long, so that nothing but a blocking call hands the GIL
+to another thread (gloo's workers among them) between the last exchange and the exit.
 """
 
 from __future__ import annotations

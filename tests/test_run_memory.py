@@ -25,7 +25,8 @@ def no_ranks(monkeypatch):
 def test_single_node_training_on_a_cpu_host_is_refused_up_front(no_ranks, monkeypatch, capsys):
     # 2 CPU ranks of the training config hold every expert's float32 reference: hundreds of GiB.
     monkeypatch.setattr(job, "_host_available_bytes", lambda: 64 * 2**30)
-    assert cli.main(["run", "--config", str(asset_dir("configs") / "single-node-training.yaml"), "--backend", "reference"]) == 2
+    training = str(asset_dir("configs") / "single-node-training.yaml")
+    assert cli.main(["run", "--config", training, "--backend", "reference"]) == 2
     error = capsys.readouterr().err
     for words in ("(2 ranks x ", "of the 64.0 GiB this host has available", "lower config key 'num_experts' first",
                   "the dense reference of all 256 experts"):

@@ -1,4 +1,4 @@
-"""Checkpoints of a transformers model made expert-parallel (:func:`moe_comm.integrations.transformers.expert_parallel`).
+"""Checkpoints of a transformers model made expert-parallel (:func:`.transformers.expert_parallel`).
 
 Each rank holds only its experts' slices, so two things a user does with a model go wrong unless
 the model knows which experts it holds:
@@ -46,7 +46,7 @@ def attach_expert_ids(module: nn.Module, sliced: list[str], first: int, num_loca
 
 
 def _check_expert_ids(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
-    """Refuse a state dict of other experts than ``module`` holds (a load pre-hook: ``(module, state_dict, prefix, ...)``).
+    """Refuse a state dict of other experts than ``module`` holds (a load pre-hook of ``module``).
 
     Raises:
         InputError: naming the key, the ids this rank holds and the ids that came.
@@ -57,18 +57,18 @@ def _check_expert_ids(module: nn.Module, state_dict: dict, prefix: str, *args) -
         present = [prefix + name for name in module._moe_comm_sliced if prefix + name in state_dict]
         if present:
             raise InputError(
-                f"load_state_dict: {present[0]} comes without {key}: not a state dict of this expert-parallel model "
-                f"(rank holding experts {first}..{first + num_local - 1}); load a whole checkpoint with from_pretrained "
-                "before expert_parallel, or a state dict this rank saved"
+                f"load_state_dict: {present[0]} comes without {key}: not a state dict of this expert-parallel "
+                f"model (rank holding experts {first}..{first + num_local - 1}); load a whole checkpoint with "
+                "from_pretrained before expert_parallel, or a state dict this rank saved"
             )
         return
     ids = state_dict[key].tolist() if isinstance(state_dict[key], torch.Tensor) else state_dict[key]
     mine = list(range(first, first + num_local))
     if ids != mine:
         raise InputError(
-            f"load_state_dict: {key} holds experts {ids}, but this rank holds experts {mine}: the state dict is another "
-            "rank's (or of another world size); load each rank's own state dict, or save with save_pretrained and "
-            "load the whole checkpoint with from_pretrained before expert_parallel"
+            f"load_state_dict: {key} holds experts {ids}, but this rank holds experts {mine}: the state dict is "
+            "another rank's (or of another world size); load each rank's own state dict, or save with "
+            "save_pretrained and load the whole checkpoint with from_pretrained before expert_parallel"
         )
 
 

@@ -176,7 +176,7 @@ def check_experts_call(module: nn.Module, dispatcher: Dispatcher, hidden_states:
 def dispatched(dispatcher: Dispatcher, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                top_k_weights: torch.Tensor,
                local_experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """``hidden_states [T, H]`` -> dispatch -> ``local_experts(rows [N, H], expert_offsets [E_local])`` -> combine -> ``[T, H]``.
+    """``hidden_states [T, H]`` -> dispatch -> ``local_experts(rows [N, H], offsets [E_local])`` -> combine -> ``[T, H]``.
 
     ``top_k_index`` ``[T, K]`` global expert ids, ``top_k_weights`` ``[T, K]`` (any float dtype: the
     combine weights). ``local_experts`` returns ``[N, H]`` (rows past the last segment zero).

@@ -52,11 +52,6 @@ class BlockFamily:
     forward: Callable[..., object]
 
 
-def _rows_zeroed(rows: torch.Tensor, expert_of_row: torch.Tensor, local: int) -> torch.Tensor:
-    # Rows past the last segment are unspecified (possibly NaN): zero them before any arithmetic.
-    return torch.where(expert_of_row < local, rows, torch.zeros_like(rows))
-
-
 def _gated(dispatcher: Dispatcher, rows: torch.Tensor, offsets: torch.Tensor, ffn: int,
            projections: Callable[[torch.Tensor, torch.Tensor, bool], tuple[torch.Tensor, torch.Tensor]],
            down: tuple[torch.Tensor, bool], act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -67,7 +62,8 @@ def _gated(dispatcher: Dispatcher, rows: torch.Tensor, offsets: torch.Tensor, ff
     """
     grouped = resolve_expert_impl(dispatcher.config, rows.device, ffn) == "grouped_mm"
     expert_of_row = expert_of_rows(offsets, rows.shape[0])
-    inputs = _rows_zeroed(rows, expert_of_row, dispatcher.num_local_experts)
+    # Rows past the last segment are unspecified (possibly NaN): zero them before any arithmetic.
+    inputs = torch.where(expert_of_row < dispatcher.num_local_experts, rows, torch.zeros_like(rows))
     gate, up = projections(inputs, expert_of_row, grouped)
     out = _segmented_linear(act(gate) * up, down[0], None, down[1], offsets, expert_of_row, grouped)
     return out.to(rows.dtype)
@@ -114,7 +110,7 @@ LLAMA4 = BlockFamily(
 
 def _dbrx_experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                           top_k_weights: torch.Tensor) -> torch.Tensor:
-    """``DbrxExperts.forward``: ``hidden_states [B, S, H]`` (or ``[T, H]``), ids and weights ``[T, K]`` -> ``[B, S, H]``."""
+    """``DbrxExperts.forward``: ``hidden_states [B, S, H]``, top-k ids and weights ``[B * S, K]`` -> ``[B, S, H]``."""
     dispatcher: Dispatcher = experts._moe_comm_dispatcher
     mlp, local_count = experts.mlp, dispatcher.num_local_experts
     tokens = hidden_states.reshape(-1, experts.hidden_size)
