@@ -58,8 +58,9 @@ def _check_expert_ids(module: nn.Module, state_dict: dict, prefix: str, *args) -
         if present:
             raise InputError(
                 f"load_state_dict: {present[0]} comes without {key}: not a state dict of this expert-parallel "
-                f"model (rank holding experts {first}..{first + num_local - 1}); load a whole checkpoint with "
-                "from_pretrained before expert_parallel, or a state dict this rank saved"
+                f"model (rank holding experts {first}..{first + num_local - 1}); load a state dict this rank saved, "
+                f"or one whose {key} says which experts its slices hold (here torch.arange({first}, "
+                f"{first + num_local})), or a whole checkpoint with from_pretrained before expert_parallel"
             )
         return
     ids = state_dict[key].tolist() if isinstance(state_dict[key], torch.Tensor) else state_dict[key]
