@@ -23,7 +23,7 @@ from transformers.modeling_outputs import CausalLMOutput
 
 from moe_comm.integrations import transformers as moe_transformers
 
-__all__ = ["ARCHS", "BLOCK_ARCHS", "INTERFACE_ARCHS", "VOCAB", "build_model", "rel_err", "compare_with_unmodified"]
+__all__ = ["ARCHS", "BLOCK_ARCHS", "VOCAB", "build_model", "rel_err", "compare_with_unmodified"]
 
 VOCAB = 64
 # Three expert layouts of transformers' experts interface: Qwen3-MoE (concatenated gate/up,
