@@ -170,9 +170,9 @@ def compare_with_unmodified(model: nn.Module, rank: int, tokens: tuple, device: 
     calls = []
     dispatch = dispatcher.dispatch
 
-    def counted(*args):
+    def counted(*args, **kwargs):
         calls.append(1)
-        return dispatch(*args)
+        return dispatch(*args, **kwargs)
 
     dispatcher.dispatch = counted
     try:
