@@ -14,15 +14,12 @@ import torch
 
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install '.[torchtitan]')")
 
-import torch.distributed as dist  # noqa: E402
-from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher  # noqa: E402
-
 from moe_comm import ConfigError, InputError  # noqa: E402
 from moe_comm.integrations.torchtitan import MoECommTokenDispatcher, close_dispatchers  # noqa: E402
 from multirank import run_ranks  # noqa: E402
 from titan_models import (  # noqa: E402
-    FLAVOURS, build, debug_model_config, ep_mesh, full_ac, is_expert_weight, make_expert_parallel, moe_of,
-    token_batches, train_losses, with_moe_comm,
+    FLAVOURS, build, compare_moe, debug_model_config, ep_mesh, make_expert_parallel, moe_of, train_ep, train_ep1,
+    with_moe_comm,
 )
 
 WORLD = 2
@@ -33,105 +30,25 @@ STEPS = 10
 MOE_COMM = {"backend": "reference", "dtype": "float32"}
 
 
-def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got - want).abs().max() / want.abs().max()).item()
-
-
-def _moe_pair(flavour: str, mesh):
-    """A MoE layer of the flavour with all E experts and torchtitan's local dispatcher, and the same
-    layer (same weights) at EP=world with moe_comm's."""
-    moe = moe_of(debug_model_config(flavour, layers=2, expert_hidden=EXPERT_HIDDEN))
-    dispatcher = moe.routed_experts.token_dispatcher
-    moe.routed_experts.token_dispatcher = LocalTokenDispatcher.Config(num_experts=dispatcher.num_experts,
-                                                                      top_k=dispatcher.top_k)
-    reference = build(moe, seed=0)
-    parallel = with_moe_comm(moe, BATCH * SEQ, MOE_COMM).build()
-    parallel.load_state_dict(reference.state_dict())
-    make_expert_parallel(parallel, mesh)
-    return reference, parallel
-
-
-def _grads_against_local(reference, parallel, mesh) -> dict[str, float]:
-    """Relative gradient errors per parameter; the experts' against the sum over ranks of the full module's, sliced."""
-    rank, world = mesh.get_local_rank(), mesh.size()
-    errors = {}
-    expected = dict(reference.named_parameters())
-    for name, param in parallel.named_parameters():
-        want = expected[name].grad
-        if is_expert_weight(name):
-            want = want.clone()
-            dist.all_reduce(want)
-            local = want.shape[0] // world
-            want = want[rank * local:(rank + 1) * local]
-        errors[name] = _relative(param.grad, want)
-    return errors
-
-
 def _rank_modules(rank: int, world: int) -> dict:
     mesh = ep_mesh("cpu")
-    gen = torch.Generator().manual_seed(rank)
-    results = {}
-    for flavour in FLAVOURS:
-        reference, parallel = _moe_pair(flavour, mesh)
-        dim = reference.router.gate.in_features
-        x = torch.randn(BATCH, SEQ, dim, generator=gen)
-        grad_out = torch.randn(BATCH, SEQ, dim, generator=gen)
-
-        # RoutedExperts alone, on the router's routing, scores requiring grad.
-        with torch.no_grad():
-            scores, expert_ids, _ = reference.router(x)
-        counts = torch.bincount(expert_ids.flatten(), minlength=reference.router.num_experts)
-        outs, grads = [], []
-        for module in (reference, parallel):
-            xs, ss = x.clone().requires_grad_(), scores.clone().requires_grad_()
-            out = module.routed_experts(xs, ss, expert_ids, counts)
-            out.backward(grad_out)
-            outs.append(out)
-            grads.append((xs.grad, ss.grad))
-        dispatched = parallel.routed_experts.token_dispatcher.dispatch(
-            x.flatten(0, 1), scores.flatten(0, 1), expert_ids.flatten(0, 1), counts)
-        received = counts.clone()
-        dist.all_reduce(received)
-        local = received.numel() // world
-        routed = {
-            "out": _relative(outs[1], outs[0]),
-            "dx": _relative(grads[1][0], grads[0][0]),
-            "dscores": _relative(grads[1][1], grads[0][1]),
-            "segment_rows": int(dispatched[1].sum()),
-            "received_rows": int(received[rank * local:(rank + 1) * local].sum()),
-            "capacity_rows": dispatched[0].shape[0],
-        }
-        errors = _grads_against_local(reference.routed_experts, parallel.routed_experts, mesh)
-        routed["dexperts"] = max(errors.values())
-        for module in (reference, parallel):
-            module.zero_grad()
-
-        # The whole MoE: router, routed experts, shared experts.
-        outs, dxs = [], []
-        for module in (reference, parallel):
-            xs = x.clone().requires_grad_()
-            out = module(xs)
-            out.backward(grad_out)
-            outs.append(out)
-            dxs.append(xs.grad)
-        errors = _grads_against_local(reference, parallel, mesh)
-        whole = {"out": _relative(outs[1], outs[0]), "dx": _relative(dxs[1], dxs[0]),
-                 "dexperts": max(e for n, e in errors.items() if is_expert_weight(n)),
-                 "drouter": errors["router.gate.weight"],
-                 "dshared": max((e for n, e in errors.items() if n.startswith("shared_experts")), default=None)}
-        results[flavour] = {"routed": routed, "moe": whole}
-    return results
+    return {flavour: compare_moe(flavour, mesh, torch.device("cpu"), torch.float32, MOE_COMM, BATCH, SEQ,
+                                 EXPERT_HIDDEN) for flavour in FLAVOURS}
 
 
 def _rank_all(rank: int, world: int) -> dict:
     """Every multi-rank scenario in one spawn (starting ranks that import torchtitan costs seconds each)."""
     results = {"modules": _rank_modules(rank, world), "errors": _rank_errors(rank, world),
                "shared": _rank_shared(rank, world)}
-    results["train"] = {flavour: _rank_train(rank, world, flavour) for flavour in FLAVOURS}
+    # DeepSeek-V3 under torchtitan's full activation checkpointing: recomputed dispatches and combines.
+    results["train"] = {flavour: {"ep2": train_ep(flavour, STEPS, BATCH * world, SEQ, torch.device("cpu"), MOE_COMM,
+                                                  EXPERT_HIDDEN, activation_checkpointing=flavour == "deepseek_v3")}
+                        for flavour in FLAVOURS}
     # EP=1 runs after every EP=2 run, one flavour a rank, so the two cores share them.
     for index, flavour in enumerate(FLAVOURS):
         if index % world == rank:
-            results["train"][flavour]["ep1"] = _train_ep1(flavour)
+            results["train"][flavour]["ep1"] = train_ep1(flavour, STEPS, BATCH * world, SEQ, torch.device("cpu"),
+                                                         EXPERT_HIDDEN)
     return results
 
 
@@ -166,26 +83,6 @@ def test_whole_moe_matches_local_dispatcher(compared, flavour):
             assert result[key] < 1e-2, f"rank {rank} {flavour}: {result}"
         if flavour == "deepseek_v3":
             assert result["dshared"] is not None and result["dshared"] < 1e-5, f"rank {rank}: {result}"
-
-
-def _rank_train(rank: int, world: int, flavour: str) -> dict:
-    """EP=2 training with moe_comm (DeepSeek-V3 under torchtitan's full activation checkpointing)."""
-    config = debug_model_config(flavour, layers=2, expert_hidden=EXPERT_HIDDEN)
-    batches = token_batches(config.vocab_size, STEPS, BATCH * world, SEQ, rank, world, torch.device("cpu"))
-    parallel = build(with_moe_comm(config, BATCH * SEQ, MOE_COMM), seed=0)
-    make_expert_parallel(parallel, ep_mesh("cpu"))
-    if flavour == "deepseek_v3":
-        full_ac(parallel)
-    losses = {"ep2": train_losses(parallel, batches, world)}
-    close_dispatchers()
-    return losses
-
-
-def _train_ep1(flavour: str) -> list[float]:
-    """The same training at EP=1 with torchtitan's own dispatcher, on the whole batch."""
-    config = debug_model_config(flavour, layers=2, expert_hidden=EXPERT_HIDDEN)
-    batches = token_batches(config.vocab_size, STEPS, BATCH * WORLD, SEQ, 0, 1, torch.device("cpu"))
-    return train_losses(build(config, seed=0), batches, 1)
 
 
 @pytest.mark.parametrize("flavour", list(FLAVOURS))

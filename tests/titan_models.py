@@ -22,10 +22,11 @@ from torchtitan.config import OverrideConfig, apply_overrides
 from torchtitan.distributed.activation_checkpoint import FullAC
 from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
 from torchtitan.models.common.moe import MoE, RoutedExperts
+from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
 from torchtitan.models.deepseek_v3 import model_registry as deepseek_v3_registry
 from torchtitan.models.qwen3 import model_registry as qwen3_registry
 
-from moe_comm.integrations.torchtitan import MoECommTokenDispatcher
+from moe_comm.integrations.torchtitan import MoECommTokenDispatcher, close_dispatchers
 
 OVERRIDE = "moe_comm.integrations.torchtitan.moe_comm_dispatcher"
 FLAVOURS = {
@@ -88,6 +89,108 @@ def is_expert_weight(name: str) -> bool:
     return name.rsplit(".", 1)[-1] in EXPERT_WEIGHTS
 
 
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.float(), want.float()
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
+    """``dist.all_reduce`` in place through a float32 CPU copy: GPU ranks that share a GPU run on gloo."""
+    reduced = tensor.detach().float().cpu()
+    dist.all_reduce(reduced, op=op)
+    tensor.copy_(reduced)
+
+
+def moe_pair(flavour: str, mesh, device: torch.device, dtype: torch.dtype, moe_comm_config: dict,
+             num_max_tokens_per_rank: int, expert_hidden: Optional[int]):
+    """A MoE layer of the flavour with all E experts and torchtitan's local dispatcher, and the same
+    layer (same weights) at EP=world with moe_comm's, on ``device`` in ``dtype``."""
+    moe = moe_of(debug_model_config(flavour, layers=2, expert_hidden=expert_hidden))
+    dispatcher = moe.routed_experts.token_dispatcher
+    moe.routed_experts.token_dispatcher = LocalTokenDispatcher.Config(num_experts=dispatcher.num_experts,
+                                                                      top_k=dispatcher.top_k)
+    reference = build(moe, seed=0).to(device, dtype)
+    parallel = with_moe_comm(moe, num_max_tokens_per_rank, moe_comm_config).build().to(device, dtype)
+    parallel.load_state_dict(reference.state_dict())
+    make_expert_parallel(parallel, mesh)
+    return reference, parallel
+
+
+def _grads_against_local(reference, parallel, mesh) -> dict[str, float]:
+    """Relative gradient errors per parameter; the experts' against the sum over ranks of the full module's, sliced."""
+    rank, world = mesh.get_local_rank(), mesh.size()
+    errors = {}
+    expected = dict(reference.named_parameters())
+    for name, param in parallel.named_parameters():
+        want = expected[name].grad
+        if is_expert_weight(name):
+            want = want.clone()
+            all_reduce(want)
+            local = want.shape[0] // world
+            want = want[rank * local:(rank + 1) * local]
+        errors[name] = relative_error(param.grad, want)
+    return errors
+
+
+def compare_moe(flavour: str, mesh, device: torch.device, dtype: torch.dtype, moe_comm_config: dict, batch: int,
+                seq: int, expert_hidden: Optional[int]) -> dict:
+    """Relative errors of the flavour's ``RoutedExperts`` and whole ``MoE`` at EP=world (moe_comm) against
+    all E experts with torchtitan's ``LocalTokenDispatcher``, on this rank's ``[batch, seq, D]`` tokens:
+    outputs, d x, d scores (``RoutedExperts`` alone, on the router's routing), d router, d shared
+    experts and d expert weights (against the full module's summed over the ranks, this rank's block).
+    Also the rows dispatch returns in its counts, those received and the capacity."""
+    rank, world = mesh.get_local_rank(), mesh.size()
+    gen = torch.Generator().manual_seed(rank)
+    reference, parallel = moe_pair(flavour, mesh, device, dtype, moe_comm_config, batch * seq, expert_hidden)
+    dim = reference.router.gate.in_features
+    x = torch.randn(batch, seq, dim, generator=gen).to(device, dtype)
+    grad_out = torch.randn(batch, seq, dim, generator=gen).to(device, dtype)
+
+    # RoutedExperts alone, on the router's routing, scores requiring grad.
+    with torch.no_grad():
+        scores, expert_ids, _ = reference.router(x)
+    counts = torch.bincount(expert_ids.flatten(), minlength=reference.router.num_experts)
+    outs, grads = [], []
+    for module in (reference, parallel):
+        xs, ss = x.clone().requires_grad_(), scores.clone().requires_grad_()
+        out = module.routed_experts(xs, ss, expert_ids, counts)
+        out.backward(grad_out)
+        outs.append(out)
+        grads.append((xs.grad, ss.grad))
+    dispatched = parallel.routed_experts.token_dispatcher.dispatch(
+        x.flatten(0, 1), scores.flatten(0, 1), expert_ids.flatten(0, 1), counts)
+    received = counts.clone()
+    all_reduce(received)
+    local = received.numel() // world
+    routed = {
+        "out": relative_error(outs[1], outs[0]),
+        "dx": relative_error(grads[1][0], grads[0][0]),
+        "dscores": relative_error(grads[1][1], grads[0][1]),
+        "segment_rows": int(dispatched[1].sum()),
+        "received_rows": int(received[rank * local:(rank + 1) * local].sum()),
+        "capacity_rows": dispatched[0].shape[0],
+    }
+    errors = _grads_against_local(reference.routed_experts, parallel.routed_experts, mesh)
+    routed["dexperts"] = max(errors.values())
+    for module in (reference, parallel):
+        module.zero_grad()
+
+    # The whole MoE: router, routed experts, shared experts.
+    outs, dxs = [], []
+    for module in (reference, parallel):
+        xs = x.clone().requires_grad_()
+        out = module(xs)
+        out.backward(grad_out)
+        outs.append(out)
+        dxs.append(xs.grad)
+    errors = _grads_against_local(reference, parallel, mesh)
+    whole = {"out": relative_error(outs[1], outs[0]), "dx": relative_error(dxs[1], dxs[0]),
+             "dexperts": max(e for n, e in errors.items() if is_expert_weight(n)),
+             "drouter": errors["router.gate.weight"],
+             "dshared": max((e for n, e in errors.items() if n.startswith("shared_experts")), default=None)}
+    return {"routed": routed, "moe": whole}
+
+
 def train_losses(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], world: int,
                  lr: float = 3e-3) -> list[float]:
     """Train ``model`` one step per ``(tokens, labels)`` batch (this rank's share); the mean loss over ranks per step.
@@ -108,9 +211,9 @@ def train_losses(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tenso
                 if is_expert_weight(name):
                     param.grad.div_(world)
                 else:
-                    dist.all_reduce(param.grad, op=dist.ReduceOp.AVG)
+                    all_reduce(param.grad, op=dist.ReduceOp.AVG)
             loss = loss.detach().clone()
-            dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+            all_reduce(loss, op=dist.ReduceOp.AVG)
         optimizer.step()
         losses.append(loss.item())
     return losses
@@ -135,3 +238,27 @@ def full_ac(model: nn.Module) -> None:
 def moe_of(config) -> MoE.Config:
     """The config of the model's first MoE layer (router, routed experts, shared experts when the flavour has them)."""
     return next(layer.moe for layer in config.layers if getattr(layer, "moe", None) is not None)
+
+
+def train_ep(flavour: str, steps: int, batch: int, seq: int, device: torch.device, moe_comm_config: dict,
+             expert_hidden: Optional[int], activation_checkpointing: bool) -> list[float]:
+    """The flavour's 2-block debug model trained ``steps`` steps at EP = world with moe_comm, on this rank's
+    ``batch / world`` sequences (optionally under torchtitan's full activation checkpointing); the mean losses."""
+    world = dist.get_world_size()
+    config = debug_model_config(flavour, layers=2, expert_hidden=expert_hidden)
+    batches = token_batches(config.vocab_size, steps, batch, seq, dist.get_rank(), world, device)
+    model = build(with_moe_comm(config, batch // world * seq, moe_comm_config), seed=0).to(device)
+    make_expert_parallel(model, ep_mesh(device.type))
+    if activation_checkpointing:
+        full_ac(model)
+    losses = train_losses(model, batches, world)
+    close_dispatchers()
+    return losses
+
+
+def train_ep1(flavour: str, steps: int, batch: int, seq: int, device: torch.device,
+              expert_hidden: Optional[int]) -> list[float]:
+    """The same training at EP = 1 with torchtitan's own dispatcher, on all ``batch`` sequences."""
+    config = debug_model_config(flavour, layers=2, expert_hidden=expert_hidden)
+    batches = token_batches(config.vocab_size, steps, batch, seq, 0, 1, device)
+    return train_losses(build(config, seed=0).to(device), batches, 1)
