@@ -18,7 +18,7 @@ from moe_comm import ConfigError, InputError  # noqa: E402
 from moe_comm.integrations.torchtitan import MoECommTokenDispatcher, close_dispatchers  # noqa: E402
 from multirank import run_ranks  # noqa: E402
 from titan_models import (  # noqa: E402
-    FLAVOURS, build, compare_moe, debug_model_config, ep_mesh, make_expert_parallel, moe_of, train_ep, train_ep1,
+    FLAVOURS, build, compare_moe, debug_model_config, ep_mesh, make_expert_parallel, moe_config, train_ep, train_ep1,
     with_moe_comm,
 )
 
@@ -31,7 +31,7 @@ MOE_COMM = {"backend": "reference", "dtype": "float32"}
 
 
 def _rank_modules(rank: int, world: int) -> dict:
-    mesh = ep_mesh("cpu")
+    mesh = ep_mesh()
     return {flavour: compare_moe(flavour, mesh, torch.device("cpu"), torch.float32, MOE_COMM, BATCH, SEQ,
                                  EXPERT_HIDDEN) for flavour in FLAVOURS}
 
@@ -113,7 +113,7 @@ def test_override_selects_moe_comm_for_every_routed_experts():
 
 
 def test_without_ep_mesh_it_is_the_local_dispatcher():
-    moe = moe_of(debug_model_config("deepseek_v3", layers=2))
+    moe = moe_config("deepseek_v3", EXPERT_HIDDEN)
     reference = build(moe, seed=0)
     local = with_moe_comm(moe, BATCH * SEQ, MOE_COMM).build()
     local.load_state_dict(reference.state_dict())
@@ -130,7 +130,7 @@ def test_config_refuses_bad_sizes():
 
 
 def _rank_errors(rank: int, world: int) -> dict:
-    mesh = ep_mesh("cpu")
+    mesh = ep_mesh()
     messages = {}
     unsized = MoECommTokenDispatcher.Config(num_experts=8, top_k=2, hidden_dim=64).build()
     try:
@@ -171,7 +171,7 @@ def test_one_dispatcher_serves_every_layer(ranks):
 
 def _rank_shared(rank: int, world: int) -> tuple[int, int]:
     config = with_moe_comm(debug_model_config("deepseek_v3", layers=3), BATCH * SEQ, MOE_COMM)
-    routed = make_expert_parallel(config.build(), ep_mesh("cpu"))
+    routed = make_expert_parallel(config.build(), ep_mesh())
     found = (len(routed), len({id(m.token_dispatcher.dispatcher) for m in routed}))
     close_dispatchers()
     return found

@@ -11,6 +11,7 @@ selected with the integration's override, is wired to the EP mesh.
 from __future__ import annotations
 
 import copy
+from functools import partial
 from typing import Optional
 
 import torch
@@ -21,25 +22,58 @@ from torch.distributed.device_mesh import init_device_mesh
 from torchtitan.config import OverrideConfig, apply_overrides
 from torchtitan.distributed.activation_checkpoint import FullAC
 from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
+from torchtitan.models.common.config_utils import (
+    make_ffn_config, make_moe_config, make_routed_experts_config, make_router_config,
+)
 from torchtitan.models.common.moe import MoE, RoutedExperts
 from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
-from torchtitan.models.deepseek_v3 import model_registry as deepseek_v3_registry
-from torchtitan.models.qwen3 import model_registry as qwen3_registry
 
 from moe_comm.integrations.torchtitan import MoECommTokenDispatcher, close_dispatchers
 
 OVERRIDE = "moe_comm.integrations.torchtitan.moe_comm_dispatcher"
-FLAVOURS = {
-    "deepseek_v3": lambda: deepseek_v3_registry("debugmodel").model,
-    "qwen3": lambda: qwen3_registry("debugmodel_moe").model,
+FLAVOURS = ("deepseek_v3", "qwen3")
+# The MoE layer of each flavour's debug model: (dim, experts, top-k, expert width, shared experts,
+# router options). torchtitan 0.3's model packages need a torch newer than 2.11 (they import
+# torch.distributed.fsdp.DataParallelMeshDims); its MoE layer and configs do not, so the layer is
+# built from torchtitan's config helpers and runs on torch 2.11 too.
+MOE_SHAPES = {
+    "deepseek_v3": (256, 8, 3, 256, 2, {"score_func": "softmax"}),
+    "qwen3": (256, 64, 8, 768, 0, {"score_func": "softmax", "route_norm": True}),
 }
 EXPERT_WEIGHTS = ("w1_EFD", "w2_EDF", "w3_EFD")
+_INIT = {"weight": partial(nn.init.trunc_normal_, std=0.02), "bias": nn.init.zeros_}
+_EXPERTS_INIT = {name: partial(nn.init.trunc_normal_, std=0.02) for name in EXPERT_WEIGHTS}
+
+
+def _registry(flavour: str):
+    if flavour == "deepseek_v3":
+        from torchtitan.models.deepseek_v3 import model_registry
+
+        return model_registry("debugmodel")
+    from torchtitan.models.qwen3 import model_registry
+
+    return model_registry("debugmodel_moe")
+
+
+def moe_config(flavour: str, expert_hidden: Optional[int] = None) -> MoE.Config:
+    """A torchtitan ``MoE`` shaped as the flavour's debug model's (router, routed experts, shared experts
+    when it has them) with torchtitan's local dispatcher; experts ``expert_hidden`` wide (None: the flavour's)."""
+    dim, experts, top_k, width, shared, router = MOE_SHAPES[flavour]
+    width = expert_hidden or width
+    return make_moe_config(
+        num_experts=experts,
+        router=make_router_config(dim=dim, num_experts=experts, gate_param_init=_INIT, top_k=top_k, **router),
+        routed_experts=make_routed_experts_config(dim=dim, hidden_dim=width, num_experts=experts, top_k=top_k,
+                                                  param_init=_EXPERTS_INIT, comm_backend="standard"),
+        shared_experts=make_ffn_config(dim=dim, hidden_dim=width * shared, w1_param_init=_INIT,
+                                       w2w3_param_init=_INIT) if shared else None,
+    )
 
 
 def debug_model_config(flavour: str, layers: int, expert_hidden: Optional[int] = None):
     """The flavour's torchtitan debug model config, its first ``layers`` blocks, SDPA attention, and
     routed experts ``expert_hidden`` wide (None: the flavour's)."""
-    config = FLAVOURS[flavour]()
+    config = _registry(flavour).model
     config.layers = config.layers[:layers]
     if expert_hidden is not None:
         for layer in config.layers:
@@ -65,8 +99,17 @@ def build(config, seed: int) -> nn.Module:
     return module
 
 
-def ep_mesh(device_type: str):
-    return init_device_mesh(device_type, (dist.get_world_size(),))
+def ep_mesh():
+    """The EP mesh over every rank, of the default group's kind (gloo: CPU, also for GPU ranks sharing a GPU)."""
+    return init_device_mesh("cuda" if dist.get_backend() == "nccl" else "cpu", (dist.get_world_size(),))
+
+
+def to_device(module: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """``module`` on ``device`` with its parameters in ``dtype``; buffers keep theirs (RoPE's complex cache)."""
+    module.to(device)
+    for param in module.parameters():
+        param.data = param.data.to(dtype)
+    return module
 
 
 def make_expert_parallel(model: nn.Module, mesh) -> list[RoutedExperts]:
@@ -95,8 +138,10 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
-    """``dist.all_reduce`` in place through a float32 CPU copy: GPU ranks that share a GPU run on gloo."""
-    reduced = tensor.detach().float().cpu()
+    """``dist.all_reduce`` in place through a float32 copy, on the CPU under gloo (GPU ranks that share a GPU)."""
+    reduced = tensor.detach().float()
+    if dist.get_backend() == "gloo":
+        reduced = reduced.cpu()
     dist.all_reduce(reduced, op=op)
     tensor.copy_(reduced)
 
@@ -105,12 +150,12 @@ def moe_pair(flavour: str, mesh, device: torch.device, dtype: torch.dtype, moe_c
              num_max_tokens_per_rank: int, expert_hidden: Optional[int]):
     """A MoE layer of the flavour with all E experts and torchtitan's local dispatcher, and the same
     layer (same weights) at EP=world with moe_comm's, on ``device`` in ``dtype``."""
-    moe = moe_of(debug_model_config(flavour, layers=2, expert_hidden=expert_hidden))
+    moe = moe_config(flavour, expert_hidden)
     dispatcher = moe.routed_experts.token_dispatcher
     moe.routed_experts.token_dispatcher = LocalTokenDispatcher.Config(num_experts=dispatcher.num_experts,
                                                                       top_k=dispatcher.top_k)
-    reference = build(moe, seed=0).to(device, dtype)
-    parallel = with_moe_comm(moe, num_max_tokens_per_rank, moe_comm_config).build().to(device, dtype)
+    reference = to_device(build(moe, seed=0), device, dtype)
+    parallel = to_device(with_moe_comm(moe, num_max_tokens_per_rank, moe_comm_config).build(), device, dtype)
     parallel.load_state_dict(reference.state_dict())
     make_expert_parallel(parallel, mesh)
     return reference, parallel
@@ -235,10 +280,6 @@ def full_ac(model: nn.Module) -> None:
     FullAC(FullAC.Config()).apply(model)
 
 
-def moe_of(config) -> MoE.Config:
-    """The config of the model's first MoE layer (router, routed experts, shared experts when the flavour has them)."""
-    return next(layer.moe for layer in config.layers if getattr(layer, "moe", None) is not None)
-
 
 def train_ep(flavour: str, steps: int, batch: int, seq: int, device: torch.device, moe_comm_config: dict,
              expert_hidden: Optional[int], activation_checkpointing: bool) -> list[float]:
@@ -248,7 +289,7 @@ def train_ep(flavour: str, steps: int, batch: int, seq: int, device: torch.devic
     config = debug_model_config(flavour, layers=2, expert_hidden=expert_hidden)
     batches = token_batches(config.vocab_size, steps, batch, seq, dist.get_rank(), world, device)
     model = build(with_moe_comm(config, batch // world * seq, moe_comm_config), seed=0).to(device)
-    make_expert_parallel(model, ep_mesh(device.type))
+    make_expert_parallel(model, ep_mesh())
     if activation_checkpointing:
         full_ac(model)
     losses = train_losses(model, batches, world)
