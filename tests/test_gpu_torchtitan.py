@@ -18,10 +18,10 @@ pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip insta
 
 from capture import warm_up_on_side_stream  # noqa: E402
 from gpu_backends import GPU_BACKENDS, dist_backend_for, gpus_needed  # noqa: E402
-from moe_comm.integrations.torchtitan import close_dispatchers  # noqa: E402
+from moe_comm.integrations.torchtitan import close_dispatchers, expert_parallel  # noqa: E402
 from multirank import run_ranks  # noqa: E402
 from titan_models import (  # noqa: E402
-    FLAVOURS, MOE_SHAPES, build, compare_moe, ep_mesh, make_expert_parallel, moe_config, relative_error, to_device,
+    FLAVOURS, MOE_SHAPES, build, compare_moe, ep_mesh, moe_config, relative_error, to_device,
     with_moe_comm,
 )
 
@@ -34,7 +34,7 @@ REPLAYS = 3
 def _parallel_moe(flavour: str, device: torch.device, dtype: torch.dtype, moe_comm: dict):
     """The flavour's MoE layer at EP = world with moe_comm, on ``device`` with ``dtype`` parameters."""
     parallel = build(with_moe_comm(moe_config(flavour), BATCH * SEQ, moe_comm), seed=0)
-    routed = make_expert_parallel(to_device(parallel, device, dtype), ep_mesh())
+    routed = expert_parallel(to_device(parallel, device, dtype), ep_mesh())
     return parallel, routed[0].token_dispatcher.dispatcher
 
 

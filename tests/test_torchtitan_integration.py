@@ -15,10 +15,12 @@ import torch
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install '.[torchtitan]')")
 
 from moe_comm import ConfigError, InputError  # noqa: E402
-from moe_comm.integrations.torchtitan import MoECommTokenDispatcher, close_dispatchers  # noqa: E402
+from moe_comm.integrations.torchtitan import (  # noqa: E402
+    MoECommTokenDispatcher, close_dispatchers, expert_parallel,
+)
 from multirank import run_ranks  # noqa: E402
 from titan_models import (  # noqa: E402
-    FLAVOURS, build, compare_moe, debug_model_config, ep_mesh, make_expert_parallel, moe_config, train_ep, train_ep1,
+    FLAVOURS, build, compare_moe, debug_model_config, ep_mesh, moe_config, train_ep, train_ep1,
     with_moe_comm,
 )
 
@@ -147,6 +149,12 @@ def _rank_errors(rank: int, world: int) -> dict:
             dispatcher.dispatch(x, scores[:x.shape[0]], ids[:x.shape[0]], counts)
         except InputError as exc:
             messages[name] = str(exc)
+    uneven = moe_config("deepseek_v3", EXPERT_HIDDEN)
+    uneven.routed_experts.inner_experts.num_experts = 5
+    try:
+        expert_parallel(with_moe_comm(uneven, 4, MOE_COMM).build(), mesh)
+    except ConfigError as exc:
+        messages["uneven"] = str(exc)
     close_dispatchers()
     try:
         dispatcher.dispatch(torch.zeros(4, 64), scores[:4], ids[:4], counts)
@@ -161,6 +169,7 @@ def test_bad_input_gets_a_clear_error(ranks):
         assert "5 tokens, more than the config's num_max_tokens_per_rank=4" in messages.get("too_many", ""), messages
         assert "tokens in torch.bfloat16, but moe_comm moves float32 rows" in messages.get("dtype", ""), messages
         assert messages.get("closed", "").startswith("MoeCommError: this Dispatcher is closed"), messages
+        assert "5 experts do not split over an EP mesh of 2" in messages.get("uneven", ""), messages
 
 
 def test_one_dispatcher_serves_every_layer(ranks):
@@ -171,7 +180,7 @@ def test_one_dispatcher_serves_every_layer(ranks):
 
 def _rank_shared(rank: int, world: int) -> tuple[int, int]:
     config = with_moe_comm(debug_model_config("deepseek_v3", layers=3), BATCH * SEQ, MOE_COMM)
-    routed = make_expert_parallel(config.build(), ep_mesh())
+    routed = expert_parallel(config.build(), ep_mesh())
     found = (len(routed), len({id(m.token_dispatcher.dispatcher) for m in routed}))
     close_dispatchers()
     return found

@@ -3,9 +3,9 @@
 The models are torchtitan's own classes and flavours (DeepSeek-V3 ``debugmodel``, Qwen3
 ``debugmodel_moe``), cut to their first ``layers`` blocks to keep CPU runs short, with torchtitan's
 ``ScaledDotProductAttention`` inside: its default FlexAttention has no backward on CPU. EP = world
-is what torchtitan's ``parallelize`` leaves on each rank, built without it (it needs FSDP and CUDA):
-every ``RoutedExperts`` keeps its block of ``E / world`` experts and the moe_comm dispatcher,
-selected with the integration's override, is wired to the EP mesh.
+is what torchtitan's ``parallelize`` leaves on each rank, built without it (it needs FSDP and CUDA)
+by the integration's ``expert_parallel``: every ``RoutedExperts`` keeps its block of ``E / world``
+experts and the moe_comm dispatcher, selected with the integration's override, is wired to the EP mesh.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAt
 from torchtitan.models.common.config_utils import (
     make_ffn_config, make_moe_config, make_routed_experts_config, make_router_config,
 )
-from torchtitan.models.common.moe import MoE, RoutedExperts
+from torchtitan.models.common.moe import MoE
 from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
 
-from moe_comm.integrations.torchtitan import MoECommTokenDispatcher, close_dispatchers
+from moe_comm.integrations.torchtitan import close_dispatchers, expert_parallel
 
 OVERRIDE = "moe_comm.integrations.torchtitan.moe_comm_dispatcher"
 FLAVOURS = ("deepseek_v3", "qwen3")
@@ -112,22 +112,6 @@ def to_device(module: nn.Module, device: torch.device, dtype: torch.dtype) -> nn
     return module
 
 
-def make_expert_parallel(model: nn.Module, mesh) -> list[RoutedExperts]:
-    """Keep each moe_comm ``RoutedExperts``' block of experts (``e // (E / EP)`` is this rank) and wire the mesh."""
-    rank, world = mesh.get_local_rank(), mesh.size()
-    routed = [m for m in model.modules()
-              if isinstance(m, RoutedExperts) and isinstance(m.token_dispatcher, MoECommTokenDispatcher)]
-    for module in routed:
-        experts = module.inner_experts
-        local = experts.num_experts // world
-        for name in EXPERT_WEIGHTS:
-            block = getattr(experts, name).detach()[rank * local:(rank + 1) * local].clone()
-            setattr(experts, name, nn.Parameter(block))
-        experts.num_experts = local
-        module.token_dispatcher.wire_meshes(ep_mesh=mesh)
-    return routed
-
-
 def is_expert_weight(name: str) -> bool:
     return name.rsplit(".", 1)[-1] in EXPERT_WEIGHTS
 
@@ -157,7 +141,7 @@ def moe_pair(flavour: str, mesh, device: torch.device, dtype: torch.dtype, moe_c
     reference = to_device(build(moe, seed=0), device, dtype)
     parallel = to_device(with_moe_comm(moe, num_max_tokens_per_rank, moe_comm_config).build(), device, dtype)
     parallel.load_state_dict(reference.state_dict())
-    make_expert_parallel(parallel, mesh)
+    expert_parallel(parallel, mesh)
     return reference, parallel
 
 
@@ -289,7 +273,7 @@ def train_ep(flavour: str, steps: int, batch: int, seq: int, device: torch.devic
     config = debug_model_config(flavour, layers=2, expert_hidden=expert_hidden)
     batches = token_batches(config.vocab_size, steps, batch, seq, dist.get_rank(), world, device)
     model = build(with_moe_comm(config, batch // world * seq, moe_comm_config), seed=0).to(device)
-    make_expert_parallel(model, ep_mesh())
+    expert_parallel(model, ep_mesh())
     if activation_checkpointing:
         full_ac(model)
     losses = train_losses(model, batches, world)

@@ -26,6 +26,7 @@ from typing import Any, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from ..config import Config, load_config
 from ..dispatcher import DispatchHandle, Dispatcher
@@ -34,13 +35,13 @@ from ..experts import check_padding_for_gradients
 
 try:
     from torchtitan.config import override
-    from torchtitan.models.common.moe import RoutedExperts
+    from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
     from torchtitan.models.common.token_dispatcher import BaseEPTokenDispatcher, LocalTokenDispatcher
 except ImportError as exc:
     raise ImportError(f"moe_comm.integrations.torchtitan needs torchtitan 0.3 (pip install 'moe_comm[torchtitan]'): "
                       f"{exc}") from exc
 
-__all__ = ["MoECommTokenDispatcher", "moe_comm_dispatcher", "close_dispatchers"]
+__all__ = ["MoECommTokenDispatcher", "moe_comm_dispatcher", "expert_parallel", "close_dispatchers"]
 
 MoECommConfigSource = Union[None, str, os.PathLike, Mapping[str, Any], Config]
 
@@ -208,3 +209,38 @@ def moe_comm_dispatcher(
         hidden_dim=cfg.inner_experts.dim,
         moe_comm_config=moe_comm_config,
     ))
+
+
+def expert_parallel(model: nn.Module, ep_mesh) -> list[RoutedExperts]:
+    """Make a torchtitan model built on one rank expert-parallel over ``ep_mesh``, without torchtitan's ``parallelize``.
+
+    For training loops of one's own (torchtitan's trainer shards the experts and wires the mesh in
+    ``parallelize``): every ``RoutedExperts`` whose dispatcher is :class:`MoECommTokenDispatcher`
+    keeps its block of experts (global expert ``e`` on rank ``e // (E / EP)``; the other experts'
+    weights are freed) and builds its moe_comm Dispatcher (collective over the mesh). Every rank
+    calls it on the same model, in the same order.
+
+    Args:
+        model: a torchtitan model or module with plain-tensor (not DTensor) expert weights ``[E, ., .]``.
+        ep_mesh: the 1-d expert-parallel ``DeviceMesh``.
+
+    Returns:
+        The ``RoutedExperts`` modules made expert-parallel.
+
+    Raises:
+        ConfigError: the mesh size does not divide an experts module's ``num_experts``.
+    """
+    rank, world = ep_mesh.get_local_rank(), ep_mesh.size()
+    routed = [m for m in model.modules()
+              if isinstance(m, RoutedExperts) and isinstance(m.token_dispatcher, MoECommTokenDispatcher)]
+    for module in routed:
+        experts: GroupedExperts = module.inner_experts
+        if experts.num_experts % world:
+            raise ConfigError(f"expert_parallel: {experts.num_experts} experts do not split over an EP mesh of {world}")
+        local = experts.num_experts // world
+        for name, weight in list(experts.named_parameters(recurse=False)):
+            block = weight.detach()[rank * local:(rank + 1) * local].clone()
+            setattr(experts, name, nn.Parameter(block, requires_grad=weight.requires_grad))
+        experts.num_experts = local
+        module.token_dispatcher.wire_meshes(ep_mesh=ep_mesh)
+    return routed
