@@ -70,9 +70,12 @@ def compared(ranks) -> list:
 def test_routed_experts_match_local_dispatcher(compared, flavour):
     for rank, per_flavour in enumerate(compared):
         result = per_flavour[flavour]["routed"]
-        # The experts compute in bf16 both ways; only the summation order of the combine differs.
-        for key in ("out", "dx", "dscores", "dexperts"):
-            assert result[key] < 1e-2, f"rank {rank} {flavour}: {result}"
+        # float32 tokens, experts computing in bf16 both ways: outputs and input gradients differ by the
+        # combine's summation order (worst seen 1.3e-7, d x and d scores equal); the experts' weight
+        # gradients by bf16 rounding, one grouped GEMM over both ranks' rows against a sum of two (5.5e-3).
+        for key in ("out", "dx", "dscores"):
+            assert result[key] < 1e-6, f"rank {rank} {flavour}: {result}"
+        assert result["dexperts"] < 2e-2, f"rank {rank} {flavour}: {result}"
         # The counts include the alignment padding (zero rows: 16-row segments here) and stay within the capacity.
         assert result["received_rows"] < result["segment_rows"] <= result["capacity_rows"], f"rank {rank}: {result}"
 
@@ -81,10 +84,11 @@ def test_routed_experts_match_local_dispatcher(compared, flavour):
 def test_whole_moe_matches_local_dispatcher(compared, flavour):
     for rank, per_flavour in enumerate(compared):
         result = per_flavour[flavour]["moe"]
-        for key in ("out", "dx", "dexperts", "drouter"):
-            assert result[key] < 1e-2, f"rank {rank} {flavour}: {result}"
+        for key in ("out", "dx", "drouter"):
+            assert result[key] < 1e-6, f"rank {rank} {flavour}: {result}"
+        assert result["dexperts"] < 2e-2, f"rank {rank} {flavour}: {result}"
         if flavour == "deepseek_v3":
-            assert result["dshared"] is not None and result["dshared"] < 1e-5, f"rank {rank}: {result}"
+            assert result["dshared"] is not None and result["dshared"] < 1e-6, f"rank {rank}: {result}"
 
 
 @pytest.mark.parametrize("flavour", list(FLAVOURS))
@@ -94,10 +98,10 @@ def test_debug_model_trains_at_ep2_as_at_ep1(ranks, flavour):
     assert ranks[1]["train"][flavour]["ep2"] == ep2  # the mean over ranks, on every rank
     assert len(ep2) == STEPS
     assert ep1[-1] < ep1[0] - 0.1, f"EP=1 did not train: {ep1}"
-    # bf16 experts, a different combine order and an averaged all-reduce: the curves agree to bf16
-    # rounding, which memorising one batch amplifies as the loss falls (worst seen: 0.015).
+    # A different combine order, the experts' weight gradients rounded differently (above) and an
+    # averaged all-reduce: the curves agree closely (worst seen 4.9e-5 on losses from 7.6 to 0.18).
     worst = max(abs(a - b) for a, b in zip(ep1, ep2))
-    assert worst < 0.05, f"{flavour}: EP=1 {ep1} against EP=2 {ep2}"
+    assert worst < 1e-3, f"{flavour}: EP=1 {ep1} against EP=2 {ep2}"
 
 
 def test_override_selects_moe_comm_for_every_routed_experts():
