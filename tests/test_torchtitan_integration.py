@@ -64,31 +64,35 @@ def compared(ranks) -> list:
     return [result["modules"] for result in ranks]
 
 
+def _check_against_local(compared: list, flavour: str, part: str, equal_keys: tuple) -> list[dict]:
+    """Every rank's errors of ``part`` ("routed" or "moe"), checked; returned for the part's own checks.
+
+    float32 tokens, experts computing in bf16 both ways: outputs and input gradients differ by the
+    combine's summation order (worst seen 1.3e-7; d x, d scores, d router and d shared equal); the
+    experts' weight gradients by bf16 rounding, one grouped GEMM over both ranks' rows against a sum
+    of two (worst seen 5.5e-3).
+    """
+    results = [per_flavour[flavour][part] for per_flavour in compared]
+    for rank, result in enumerate(results):
+        for key in equal_keys:
+            assert result[key] < 1e-6, f"rank {rank} {flavour} {part}: {result}"
+        assert result["dexperts"] < 2e-2, f"rank {rank} {flavour} {part}: {result}"
+    return results
+
+
 # Both flavours: DeepSeek-V3's MoE has 2 shared experts and a softmax top-3 of 8 experts, Qwen3's
 # none and a top-8 of 64.
 @pytest.mark.parametrize("flavour", list(FLAVOURS))
 def test_routed_experts_match_local_dispatcher(compared, flavour):
-    for rank, per_flavour in enumerate(compared):
-        result = per_flavour[flavour]["routed"]
-        # float32 tokens, experts computing in bf16 both ways: outputs and input gradients differ by the
-        # combine's summation order (worst seen 1.3e-7, d x and d scores equal); the experts' weight
-        # gradients by bf16 rounding, one grouped GEMM over both ranks' rows against a sum of two (5.5e-3).
-        for key in ("out", "dx", "dscores"):
-            assert result[key] < 1e-6, f"rank {rank} {flavour}: {result}"
-        assert result["dexperts"] < 2e-2, f"rank {rank} {flavour}: {result}"
+    for rank, result in enumerate(_check_against_local(compared, flavour, "routed", ("out", "dx", "dscores"))):
         # The counts include the alignment padding (zero rows: 16-row segments here) and stay within the capacity.
         assert result["received_rows"] < result["segment_rows"] <= result["capacity_rows"], f"rank {rank}: {result}"
 
 
 @pytest.mark.parametrize("flavour", list(FLAVOURS))
 def test_whole_moe_matches_local_dispatcher(compared, flavour):
-    for rank, per_flavour in enumerate(compared):
-        result = per_flavour[flavour]["moe"]
-        for key in ("out", "dx", "drouter"):
-            assert result[key] < 1e-6, f"rank {rank} {flavour}: {result}"
-        assert result["dexperts"] < 2e-2, f"rank {rank} {flavour}: {result}"
-        if flavour == "deepseek_v3":
-            assert result["dshared"] is not None and result["dshared"] < 1e-6, f"rank {rank}: {result}"
+    keys = ("out", "dx", "drouter") + (("dshared",) if flavour == "deepseek_v3" else ())
+    _check_against_local(compared, flavour, "moe", keys)
 
 
 @pytest.mark.parametrize("flavour", list(FLAVOURS))
