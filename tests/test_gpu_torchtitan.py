@@ -109,7 +109,8 @@ def test_torchtitan_dispatcher_on_gpu(backend_id, world, requires_gpus):
                          gpu=True, timeout_s=600)
     for rank, results in enumerate(per_rank):
         for flavour, result in results["modules"].items():
-            # bf16 tokens and outputs; the combine sums in another order than torchtitan's scatter_add.
+            # bf16 tokens and outputs; the combine sums in another order than torchtitan's scatter_add
+            # (worst seen on one H200: outputs 1.1e-2, d x 7.1e-3, expert weight gradients 6.6e-3).
             for part in ("routed", "moe"):
                 errors = {k: v for k, v in result[part].items() if k in ("out", "dx", "dscores", "dexperts", "drouter")}
                 assert max(errors.values()) < 3e-2, f"rank {rank} {flavour} {part}: {result[part]}"
@@ -119,4 +120,5 @@ def test_torchtitan_dispatcher_on_gpu(backend_id, world, requires_gpus):
         assert capture["step_change"] > 0, f"rank {rank}: new tokens gave the same logits: {capture}"
         assert capture["replay_errors"] == [0.0] * REPLAYS, f"rank {rank}: {capture}"
         compiled = results["compile"]
+        # Inductor fuses the bf16 arithmetic differently (worst seen: output 5.7e-3, gradients 1.4e-2).
         assert compiled["out"] < 2e-2 and compiled["grads"] < 3e-2, f"rank {rank}: {compiled}"
