@@ -59,6 +59,12 @@ def _model_config(flavour: str, layers: int, cpu: bool):
     return config
 
 
+def _print_line(line: str) -> None:
+    # One write per line (print writes the newline apart): the ranks share the terminal.
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def _parse(argv) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--flavour", choices=("deepseek_v3", "qwen3"), default="deepseek_v3")
@@ -112,14 +118,12 @@ def main(argv=None) -> int:
             dist.all_reduce(mean, op=dist.ReduceOp.AVG)
             losses.append(mean.item())
             if rank == 0:
-                print(f"step {step + 1:3d}/{args.steps} loss {losses[-1]:.4f}", flush=True)
+                _print_line(f"step {step + 1:3d}/{args.steps} loss {losses[-1]:.4f}")
         fell = losses[0] - losses[-1]
         verdict = "ok" if fell >= args.min_drop else f"FAILED (less than --min-drop {args.min_drop})"
-        # One write per line: the ranks share the terminal.
-        sys.stdout.write(f"rank {rank}/{world} on {backend}: {args.flavour} debug model, {len(routed)} MoE layers "
-                         f"with {routed[0].inner_experts.num_experts} experts a rank, loss {losses[0]:.3f} -> "
-                         f"{losses[-1]:.3f}: {verdict}\n")
-        sys.stdout.flush()
+        _print_line(f"rank {rank}/{world} on {backend}: {args.flavour} debug model, {len(routed)} MoE layers with "
+                    f"{routed[0].inner_experts.num_experts} experts a rank, loss {losses[0]:.3f} -> {losses[-1]:.3f}: "
+                    f"{verdict}")
         return 0 if fell >= args.min_drop else 1
     finally:
         close_dispatchers()

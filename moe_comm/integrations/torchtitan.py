@@ -53,7 +53,7 @@ _dispatchers: dict[tuple[Config, dist.ProcessGroup], Dispatcher] = {}
 
 
 def close_dispatchers() -> None:
-    """Close every shared moe_comm Dispatcher of this process (collective-free; idempotent).
+    """Close every shared moe_comm Dispatcher of this process, newest first (the same order on every rank); idempotent.
 
     The token dispatchers that used them raise on their next call; wire the model again to go on.
     """
@@ -109,6 +109,7 @@ class MoECommTokenDispatcher(BaseEPTokenDispatcher):
 
     def init_buffer(self) -> None:
         """Build (or join) the moe_comm Dispatcher of the EP group: collective over it, allocates and compiles.
+        Without an EP mesh (EP = 1) there is nothing to build: dispatch and combine are then local.
 
         Raises:
             ConfigError: ``hidden_dim`` or ``num_max_tokens_per_rank`` is unset, or moe_comm's config is invalid.
