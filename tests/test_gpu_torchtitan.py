@@ -14,7 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install '.[torchtitan]')")
+from requirements import require
+
+require("torchtitan")
 
 from capture import warm_up_on_side_stream  # noqa: E402
 from gpu_backends import GPU_BACKENDS, dist_backend_for, gpus_needed  # noqa: E402

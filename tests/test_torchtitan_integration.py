@@ -12,7 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install '.[torchtitan]')")
+from requirements import require
+
+require("torchtitan")
 
 from moe_comm import ConfigError, InputError  # noqa: E402
 from moe_comm.integrations.torchtitan import (  # noqa: E402
