@@ -129,6 +129,8 @@ class MoECommTokenDispatcher(BaseEPTokenDispatcher):
         config = load_config(source, num_experts=self.num_experts, topk=self.top_k, hidden=self.hidden_dim,
                              max_tokens_per_rank=self.num_max_tokens_per_rank)
         self.dispatcher = _shared_dispatcher(config, self.ep_mesh.get_group())
+        # Layers wire their meshes in model order on every rank: the site, and each call's tag, agree.
+        self._call_site = self.dispatcher.new_call_site()
 
     def _live_dispatcher(self) -> Dispatcher:
         if self.dispatcher is None:
@@ -169,7 +171,7 @@ class MoECommTokenDispatcher(BaseEPTokenDispatcher):
                              "rows; set moe_comm_config's dtype to the dtype the MoE layers run in")
         check_padding_for_gradients(config, (x_TD,), "MoECommTokenDispatcher")
         out = dispatcher.dispatch(x_TD.contiguous(), topk_expert_ids_TK.contiguous(),
-                                  topk_scores_TK.float().contiguous())
+                                  topk_scores_TK.float().contiguous(), call_tag=dispatcher.call_tag(self._call_site))
         offsets = out.expert_offsets
         segment_rows = torch.diff(offsets, prepend=offsets.new_zeros(1))
         return out.x, segment_rows, out.handle
