@@ -96,7 +96,9 @@ def _check_rows(name: str, tensor, num_rows: Optional[int], num_cols: int, dtype
         raise InputError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dim() != 2 or tensor.shape[1] != num_cols or (num_rows is not None and tensor.shape[0] != num_rows):
         wanted = f"[{'*' if num_rows is None else num_rows}, {num_cols}]"
-        raise InputError(f"{name}: expected shape {wanted}, got {tuple(tensor.shape)}")
+        flatten = (f" (a 2-D tensor, one row per token: flatten the batch dimensions with .reshape(-1, {num_cols}))"
+                   if tensor.dim() > 2 and tensor.shape[-1] == num_cols else "")
+        raise InputError(f"{name}: expected shape {wanted}, got {tuple(tensor.shape)}{flatten}")
     if tensor.dtype not in dtypes:
         raise InputError(f"{name}: expected dtype {dtype_text}, got {tensor.dtype}")
     if tensor.device != device:

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     # Annotations only: the config checks every value with this module, so it imports it.
     from .config import Config
 
-__all__ = ["Footprint", "footprint"]
+__all__ = ["Footprint", "MemoryTerm", "footprint", "run_memory"]
 
 # Backends whose ranks share one symmetric allocation (the rest exchange padded slabs per call).
 _SYMMETRIC = ("vmm", "nvshmem")
@@ -84,3 +84,43 @@ def footprint(config: Config, world_size: int, backend: str) -> Footprint:
         out_x_bytes=capacity_rows * out_row_bytes,
         lossless=config.expert_capacity is None,
     )
+
+
+@dataclass(frozen=True)
+class MemoryTerm:
+    """One holder of a rank's memory: what it is, its bytes and the config key (or option) that scales it most."""
+
+    what: str
+    nbytes: int
+    lower: str
+
+
+def run_memory(config: Config, world_size: int, backend: str, ffn_hidden: int) -> list[MemoryTerm]:
+    """What one rank of ``moe-comm run`` holds at its peak, largest first (an estimate from the shapes).
+
+    The dispatcher's :func:`footprint`, plus what :class:`moe_comm.MoELayer` allocates for a
+    training step and the run's float32 dense reference of every expert:
+
+    - the dispatcher's symmetric allocation (or the two slabs of every exchange);
+    - the step's activations: three dispatch-output-sized buffers (the output, backward's
+      redispatch and its gradient) and the experts' ``[capacity_rows, 2F]`` and ``[capacity_rows, F]``
+      activations with their gradients, in the config dtype;
+    - this rank's experts (``[E_local, H, 2F]`` and ``[E_local, F, H]``) and their gradients;
+    - the dense reference: every expert in float32, with gradients, plus the config-dtype copy
+      it is drawn from.
+    """
+    fp = footprint(config, world_size, backend)
+    itemsize = config.torch_dtype.itemsize
+    per_expert = 3 * config.hidden * ffn_hidden
+    local = config.num_local_experts(world_size)
+    capacity_key = "expert_capacity" if config.expert_capacity is not None else "max_tokens_per_rank"
+    terms = [
+        MemoryTerm("the dispatcher's buffers", fp.symmetric_bytes or 2 * fp.slab_bytes, "max_tokens_per_rank"),
+        MemoryTerm(f"a training step's activations ({fp.capacity_rows:,} rows a dispatch output)",
+                   3 * fp.out_x_bytes + 2 * fp.capacity_rows * 3 * ffn_hidden * itemsize, capacity_key),
+        MemoryTerm(f"this rank's {local} experts and their gradients", 2 * local * per_expert * itemsize,
+                   "num_experts or --ffn-hidden"),
+        MemoryTerm(f"the dense reference of all {config.num_experts} experts (float32, with gradients)",
+                   config.num_experts * per_expert * (2 * 4 + itemsize), "num_experts or --ffn-hidden"),
+    ]
+    return sorted(terms, key=lambda term: term.nbytes, reverse=True)

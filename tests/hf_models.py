@@ -23,13 +23,18 @@ from transformers.modeling_outputs import CausalLMOutput
 
 from moe_comm.integrations import transformers as moe_transformers
 
-__all__ = ["ARCHS", "VOCAB", "build_model", "rel_err", "compare_with_unmodified"]
+__all__ = ["ARCHS", "BLOCK_ARCHS", "VOCAB", "build_model", "rel_err", "compare_with_unmodified"]
 
 VOCAB = 64
-# Three expert layouts: Qwen3-MoE (concatenated gate/up, [E, 2F, H]), Mixtral (the same layout,
-# softmax-then-top-k router, no renormalisation) and gpt-oss (transposed [E, H, 2F], interleaved
-# gate/up, biases, a clamped gate); "plain" is PlainExperts below (no gate, post-expert norm).
-ARCHS = ("qwen3_moe", "mixtral", "gpt_oss", "plain")
+# Three expert layouts of transformers' experts interface: Qwen3-MoE (concatenated gate/up,
+# [E, 2F, H]), Mixtral (the same layout, softmax-then-top-k router, no renormalisation) and gpt-oss
+# (transposed [E, H, 2F], interleaved gate/up, biases, a clamped gate); "plain" is PlainExperts
+# below (no gate, post-expert norm). Three MoE blocks moe_comm adapts itself: Llama 4 text (the
+# router's score scales the experts' input; a shared expert), DBRX (flat [E * F, H] weights) and
+# JetMoE (its MLP experts; a bias after the combine).
+INTERFACE_ARCHS = ("qwen3_moe", "mixtral", "gpt_oss", "plain")
+BLOCK_ARCHS = ("llama4_text", "dbrx", "jetmoe")
+ARCHS = INTERFACE_ARCHS + BLOCK_ARCHS
 _COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                num_experts_per_tok=2)
 
@@ -103,6 +108,18 @@ def build_model(arch: str, num_experts: int = 4, seed: int = 0, layers: int = 2,
     elif arch == "gpt_oss":
         model = transformers.GptOssForCausalLM(transformers.GptOssConfig(
             intermediate_size=16, num_local_experts=num_experts, layer_types=["full_attention"] * layers, **common))
+    elif arch == "llama4_text":
+        model = transformers.Llama4ForCausalLM(transformers.Llama4TextConfig(
+            intermediate_size=16, intermediate_size_mlp=48, num_local_experts=num_experts, **common))
+    elif arch == "dbrx":
+        model = transformers.DbrxForCausalLM(transformers.DbrxConfig(
+            d_model=hidden, n_heads=2, n_layers=layers, vocab_size=VOCAB,
+            attn_config={"kv_n_heads": 1, "rope_theta": 10000.0, "clip_qkv": 8.0},
+            ffn_config={"ffn_hidden_size": 16, "moe_num_experts": num_experts, "moe_top_k": 2}))
+    elif arch == "jetmoe":
+        model = transformers.JetMoeForCausalLM(transformers.JetMoeConfig(
+            vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers, num_key_value_heads=2, kv_channels=16,
+            intermediate_size=16, num_local_experts=num_experts, num_experts_per_tok=2))
     elif arch == "plain":
         return PlainMoeModel(num_experts)
     else:
@@ -111,6 +128,9 @@ def build_model(arch: str, num_experts: int = 4, seed: int = 0, layers: int = 2,
         for name, param in model.named_parameters():
             if name.endswith("bias"):
                 param.normal_(0, 0.05)
+            elif arch in BLOCK_ARCHS and "norm" not in name:
+                # Their experts start zero or uninitialised ("empty") here: random weights make every expert count.
+                param.normal_(0, param.shape[-1] ** -0.5)
     return model.float()
 
 
@@ -137,31 +157,31 @@ def compare_with_unmodified(model: nn.Module, rank: int, tokens: tuple, device: 
 
     Collective. ``model`` is this rank's copy (the same on every rank, float32 on the CPU); both
     runs move to ``device`` in ``dtype``. Returns ``logits`` (relative error), ``grads`` (the
-    largest relative gradient error and its parameter), ``calls`` (experts forwards that went
-    through moe_comm) and ``kept`` (whether every experts parameter holds exactly this rank's slice).
+    largest relative gradient error and its parameter), ``calls`` (the forward's dispatch
+    calls: the experts forwards that went through moe_comm) and ``kept`` (whether every experts
+    parameter holds exactly this rank's slice).
     """
     reference = copy.deepcopy(model).to(device, dtype)
     originals = {name: param.detach().clone() for name, param in reference.named_parameters()}
     moe_transformers.expert_parallel(model.to(dtype), **overrides)
     model.to(device)
     dispatcher = model.moe_comm_dispatcher
-    local, first = dispatcher.num_local_experts, dispatcher.rank * dispatcher.num_local_experts
 
     calls = []
-    forward = moe_transformers._local_experts
+    dispatch = dispatcher.dispatch
 
-    def counted(*args):
+    def counted(*args, **kwargs):
         calls.append(1)
-        return forward(*args)
+        return dispatch(*args, **kwargs)
 
-    moe_transformers._local_experts = counted
+    dispatcher.dispatch = counted
     try:
         gen = torch.Generator().manual_seed(100 + rank)
         input_ids = torch.randint(0, VOCAB, tokens, generator=gen).to(device)
         logits = model(input_ids).logits
-        _loss(logits).backward()
     finally:
-        moe_transformers._local_experts = forward
+        del dispatcher.dispatch
+    _loss(logits).backward()
     want_logits = reference(input_ids).logits
     _loss(want_logits).backward()
 
@@ -172,11 +192,15 @@ def compare_with_unmodified(model: nn.Module, rank: int, tokens: tuple, device: 
     for name, param in reference.named_parameters():
         got, want = mine[name].grad, param.grad
         if mine[name].shape != param.shape:
-            want = _summed_over_ranks(want)[first:first + local]
-            kept = kept and torch.equal(mine[name].detach(), originals[name][first:first + local])
+            # Dim 0 holds the experts' rows back to back (one row per expert, or F of them in DBRX's flat layout).
+            rows = mine[name].shape[0]
+            start = dispatcher.rank * rows
+            want = _summed_over_ranks(want)[start:start + rows]
+            kept = kept and torch.equal(mine[name].detach(), originals[name][start:start + rows])
         elif name.startswith(experts_prefixes):
-            # Shared by the experts (a post-expert norm): each rank holds the gradient of the rows
-            # it computed, the model's gradient once summed over the ranks (data parallelism's all-reduce).
+            # Shared by the experts (a post-expert norm) or in an adapted block (its router, shared
+            # expert, bias): each rank holds the gradient of the rows it computed, the model's
+            # gradient once summed over the ranks (data parallelism's all-reduce).
             got, want = _summed_over_ranks(got), _summed_over_ranks(want)
         grads[name] = rel_err(got, want)
     worst = max(grads, key=grads.get)

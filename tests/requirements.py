@@ -22,8 +22,9 @@ __all__ = ["REQUIRED_IN_CI", "in_ci", "missing", "require"]
 REQUIRED_IN_CI = frozenset({
     "transformers",  # the `test` extra
     "nvrtc",  # nvidia-cuda-nvrtc, the `test` extra
-    "nvshmem_headers",  # nvidia-nvshmem-cu13 and nvidia-cuda-cccl, the `test` extra
+    "nvshmem_headers",  # nvidia-nvshmem-cu13 and nvidia-cuda-cccl, the `nvshmem-cu13` extra
     "setuptools",  # .ci/run installs setuptools>=70.1 for the offline wheel build
+    "torchtitan",  # .ci/run installs it without its training stack, as the README says
     "grouped_mm",  # torch._grouped_mm on the CPU: the torch that .ci/run pins has it
 })
 

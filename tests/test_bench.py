@@ -162,17 +162,21 @@ def test_bench_rows_and_files(tmp_path):
     options = BenchOptions(tokens=(4,), routings=("uniform",), hidden=128, num_experts=4, topk=2,
                            dtype="float32", backend="reference", repeats=2, warmup=1, fp8=True)
     rows = run_ranks(bench_rank, 2, options)[0]
+    # Every baseline that cannot run on CPU ranks has a row that says why; the reference backend has no senders.
     assert [(r["system"], r["mode"], r["tokens"]) for r in rows] == [
         ("moe_comm", "eager", 4), ("moe_comm fp8 dispatch", "eager", 4),
-        ("moe_comm fp8 dispatch, pre-quantized", "eager", 4), (SymmMemAllToAll2d.name, "unavailable", 4)]
-    assert rows[3]["note"] == "needs CUDA GPUs (NVSHMEM)" and rows[3]["extra"]["combine_error"] is None
+        ("moe_comm fp8 dispatch, pre-quantized", "eager", 4), (HostSplitAllToAll.name, "unavailable", 4),
+        (PaddedAllToAll.name, "unavailable", 4), (SymmMemAllToAll2d.name, "unavailable", 4)]
+    assert [row["note"] for row in rows[3:]] == ["needs CUDA GPUs (NCCL)"] * 2 + ["needs CUDA GPUs (NVSHMEM)"]
+    assert all(row["extra"]["combine_error"] is None for row in rows[3:])
+    assert rows[0]["num_senders"] is None
     assert rows[0]["extra"]["combine_error"] < 1e-5
     # e4m3 rows: within their rounding (2^-4 of a block's largest value) of the exact result; the
     # pre-quantized pair of the same rows gives the same bytes, so the same error.
     assert 0 < rows[1]["extra"]["combine_error"] < 0.07
     assert rows[2]["extra"]["combine_error"] == rows[1]["extra"]["combine_error"]
     assert all(rows[0][key] > 0 for key in ("dispatch_us", "combine_us", "total_us"))
-    assert all(row["extra"]["host_loop_us"] > 0 for row in rows[:3]) and "host_loop_us" not in rows[3]["extra"]
+    assert all(row["extra"]["host_loop_us"] > 0 for row in rows[:3]) and "host_loop_us" not in rows[5]["extra"]
     written = write_results(rows, {"world_size": 2, "device": "CPU"}, tmp_path, "smoke")
     assert json.loads((tmp_path / "smoke.json").read_text())["rows"] == rows
     table = (tmp_path / "smoke.md").read_text()

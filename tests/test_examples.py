@@ -1,6 +1,7 @@
 """The examples run as users run them (contract: examples): ``examples/train_tiny_moe.py`` trains,
 ``examples/hf_expert_parallel.py`` makes a transformers model expert-parallel and generates,
-``examples/torchrun_step.py`` runs under torchrun.
+``examples/torchrun_step.py`` runs under torchrun, ``examples/torchtitan_debug_moe.py`` trains
+torchtitan's debug MoE model with moe_comm as its token dispatcher.
 
 The script is run in a subprocess, as ``python examples/train_tiny_moe.py ...`` (its ranks are
 spawned from ``__main__``), on 2 CPU ranks of the reference backend.
@@ -117,3 +118,11 @@ def test_hf_expert_parallel_runs_on_cpu_ranks():
     require("transformers")
     lines = _torchrun_on_two_cpu_ranks("hf_expert_parallel.py", "--new-tokens", "4")
     assert all(": ok (max logit error" in line and "generated 4 tokens per prompt" in line for line in lines), lines
+
+
+def test_torchtitan_debug_moe_trains_on_cpu_ranks():
+    # The README's torchtitan example: torchtitan's DeepSeek-V3 debug model (2 blocks) with moe_comm's
+    # token dispatcher over 2 gloo ranks; it memorises one batch, so 4 steps lose most of the loss.
+    pytest.importorskip("torchtitan")
+    lines = _torchrun_on_two_cpu_ranks("torchtitan_debug_moe.py", "--steps", "4")
+    assert all("1 MoE layers with 4 experts a rank" in line and line.endswith(": ok") for line in lines), lines

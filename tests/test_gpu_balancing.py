@@ -34,8 +34,8 @@ SHARED = 16
 # Config name -> overrides; 8 experts for DeepSeek-V3's 4 groups of 2. expert_impl: auto is grouped_mm
 # in bf16 on H100/H200/B200, loop elsewhere.
 CONFIGS = {
-    "float32-loop": dict(dtype="float32", experts="loop", num_experts=8, router=ROUTER),
-    "bfloat16-auto": dict(dtype="bfloat16", experts="auto", num_experts=8, router=ROUTER),
+    "float32-loop": dict(dtype="float32", expert_impl="loop", num_experts=8, router=ROUTER),
+    "bfloat16-auto": dict(dtype="bfloat16", expert_impl="auto", num_experts=8, router=ROUTER),
 }
 GRAPH_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 TRAIN_STEPS = 4

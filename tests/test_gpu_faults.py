@@ -143,6 +143,7 @@ def _skip_continue_reset(rank: int, world: int, name: str, section: dict) -> dic
 @pytest.mark.kernels.with_args(_device_configs)
 def test_a_timeout_fails_every_rank_until_reset(backend_id, requires_gpus):
     per_rank = _spawn(backend_id, _skip_continue_reset, requires_gpus, timeout_s=120)
+    print(f"{backend_id}: skipped step, continued, reset, mismatched tags: {per_rank}")  # the outcome table (-rP)
     for outcome in per_rank:
         assert outcome["bitwise_after_reset"] and outcome["bitwise_after_mismatch"], per_rank
         assert outcome["continued_s"] < 1.0, f"a call after the failure waited: {per_rank}"
@@ -196,6 +197,7 @@ def test_a_killed_peer_is_reported_by_the_survivor(backend_id, graph, requires_g
                     gpu=True, timeout_s=120, failure_grace_s=TIMEOUT_S + 15)
     assert 1 in failed.value.failures, failed.value
     elapsed, outcome = report.read_text().split("\n", 1)
+    print(f"{backend_id}, {'graph' if graph else 'eager'}: survivor's error after {float(elapsed):.2f} s: {outcome}")
     assert re.search(r"rank 0 timed out after .* in (dispatch|combine): .*\(peer rank 1\)", outcome), outcome
     assert float(elapsed) < TIMEOUT_S + 5.0, elapsed
 
@@ -250,6 +252,7 @@ def _two_in_flight(rank: int, world: int, name: str, section: dict) -> dict:
 @pytest.mark.kernels.with_args(_device_configs)
 def test_two_dispatchers_in_flight_on_two_streams(backend_id, requires_gpus):
     per_rank = _spawn(backend_id, _two_in_flight, requires_gpus, timeout_s=120)
+    print(f"{backend_id}: two in flight: {per_rank}")
     assert all(outcome["bitwise"] for outcome in per_rank), per_rank
     assert all(outcome["full_grids"] in ("right", "reported") for outcome in per_rank), per_rank
 
@@ -339,6 +342,7 @@ def _fault_injection(rank: int, world: int, name: str, section: dict) -> dict:
 @pytest.mark.kernels.with_args(_device_configs)
 def test_fault_injection_never_returns_a_wrong_number_unreported(backend_id, requires_gpus):
     per_rank = _spawn(backend_id, _fault_injection, requires_gpus, timeout_s=540)
+    print(f"{backend_id}: fault injection, per rank: {per_rank}")
     for tally in per_rank:
         assert tally["wrong_unreported"] == 0, per_rank
         assert tally["right"] >= FAULT_STEPS // 2, per_rank  # most steps are clean

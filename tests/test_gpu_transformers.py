@@ -99,7 +99,7 @@ def _rank_main(rank: int, world: int, backend_id: str) -> dict:
                                              max_tokens_per_rank=8, **options) for arch in ARCHS}
     results["bf16"] = {arch: compare_with_unmodified(build_model(arch, layers=1), rank, TOKENS, device,
                                                      torch.bfloat16, max_tokens_per_rank=16, **options)
-                       for arch in ("qwen3_moe", "gpt_oss")}
+                       for arch in ("qwen3_moe", "gpt_oss", "llama4_text", "dbrx")}
     results["decode"] = _captured_decode(device, rank, options)
     return results
 
@@ -116,11 +116,14 @@ def test_expert_parallel_transformers_on_gpu(backend_id, world, requires_gpus):
     for rank, results in enumerate(per_rank):
         for arch in ARCHS:
             result = results[arch]
-            assert result["calls"] == 4 and result["kept"], f"rank {rank} {arch}: {result}"
+            # Llama 4 dispatches each of its 2 choices apart.
+            assert result["calls"] == (8 if arch == "llama4_text" else 4) and result["kept"], \
+                f"rank {rank} {arch}: {result}"
             assert result["logits"] < 1e-5 and result["grads"][0] < 1e-4, f"rank {rank} {arch}: {result}"
         for arch, result in results["bf16"].items():
             # One layer: the routing is the unmodified model's; only bf16 rounding differs.
-            assert result["calls"] == 1 and result["logits"] < 2e-2, f"rank {rank} bf16 {arch}: {result}"
+            calls = 2 if arch == "llama4_text" else 1
+            assert result["calls"] == calls and result["logits"] < 2e-2, f"rank {rank} bf16 {arch}: {result}"
             assert result["grads"][0] < 5e-2, f"rank {rank} bf16 {arch}: {result}"
         decode = results["decode"]
         assert decode["step_change"] > 0, f"rank {rank}: successive steps gave the same logits: {decode}"

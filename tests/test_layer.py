@@ -71,6 +71,10 @@ def _argument_errors(rank, world_size, backend):
         except InputError as exc:
             messages["bad_hidden"] = str(exc)
         try:
+            layer(torch.zeros(3, cfg.hidden, dtype=torch.float64, device=layer.dispatcher.device))
+        except InputError as exc:
+            messages["bad_dtype"] = str(exc)
+        try:
             MoELayer(cfg, FFN, group=dist.group.WORLD, dispatcher=layer.dispatcher)
         except ConfigError as exc:
             messages["group_and_dispatcher"] = str(exc)
@@ -246,6 +250,7 @@ def _check(per_rank: list, names) -> None:
             assert_within(results[name], TOLERANCE[dtype], f"rank {rank}, scenario {name}")
         messages = results["errors"]
         assert "hidden" in messages["bad_hidden"] and "33" in messages["bad_hidden"]
+        assert messages["bad_dtype"] == "MoELayer x: expected dtype float32 (the config's dtype), got torch.float64"
         assert "group" in messages["group_and_dispatcher"]
         assert "config differs" in messages["other_config"]
         assert "'expert_impl'" in messages["grouped_mm_on_cpu"] and "not a CUDA GPU" in messages["grouped_mm_on_cpu"]

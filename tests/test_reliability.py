@@ -53,7 +53,8 @@ def _validation(rank: int, world: int) -> None:
             ((x, torch.randint(0, 8, (TOPK, 4)).t(), w), "topk_idx: expected a contiguous tensor"),
             ((x, idx, w[:3]), r"topk_weights: expected shape \[4, 2\], got \(3, 2\)"),  # T of weights != T of x
             ((x, idx, w[:, None]), r"topk_weights: expected shape \[4, 2\], got \(4, 1, 2\)"),
-            ((x[None], idx, w), r"x: expected shape \[\*, 8\], got \(1, 4, 8\)"),
+            ((x[None], idx, w), r"x: expected shape \[\*, 8\], got \(1, 4, 8\) \(a 2-D tensor, one row per token: "
+                                r"flatten the batch dimensions with .reshape\(-1, 8\)\)"),
             ((x, idx.tolist(), w), "topk_idx: expected a torch.Tensor, got list"),
             ((off_boundary(x), idx, w), "x: expected a tensor whose data starts on a 16-byte boundary .* got one "
                                          "starting 4 bytes past one .*call .clone"),

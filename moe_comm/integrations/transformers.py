@@ -8,6 +8,10 @@ is looked up by name (``config._experts_implementation``) in ``ExpertsInterface`
 :func:`expert_parallel` registers the name ``"moe_comm"`` there, keeps on each rank only its
 experts' weights and selects that name for the model: the experts' forward becomes dispatch ->
 this rank's experts -> combine. The router and any shared experts are the model's own, untouched.
+Llama 4 (text), DBRX and JetMoE, whose experts are outside that interface, get their MoE blocks
+adapted instead (:mod:`.transformers_blocks`). Every rank must make the same forward calls (the
+dispatches are collective). ``model.save_pretrained`` becomes collective and writes every expert,
+and a state dict of another rank's experts is refused (:mod:`.expert_checkpoints`).
 
 Loading only this rank's experts from a checkpoint: ``from_pretrained`` loads every weight. Load
 on the CPU (``device_map="cpu"``, the default), call :func:`expert_parallel` (which keeps this
@@ -24,8 +28,9 @@ this rank's tensors from the checkpoint's safetensors files with
 
 from __future__ import annotations
 
+import functools
 import os
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -34,8 +39,9 @@ from ..config import DTYPES, Config, load_config
 from ..dispatcher import Dispatcher
 from ..errors import ConfigError, InputError
 from ..nn.experts import check_padding_for_gradients, expert_of_rows, resolve_expert_impl
+from .expert_checkpoints import attach_expert_ids, save_pretrained
 
-__all__ = ["IMPLEMENTATION", "expert_parallel"]
+__all__ = ["IMPLEMENTATION", "expert_parallel", "save_pretrained"]
 
 IMPLEMENTATION = "moe_comm"
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
@@ -153,35 +159,68 @@ def _local_experts(module: nn.Module, rows: torch.Tensor, expert_offsets: torch.
     return out.to(rows.dtype)
 
 
-def _moe_comm_experts_forward(
-    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-) -> torch.Tensor:
-    """The ``"moe_comm"`` experts implementation: ``[T, H]`` -> dispatch -> local experts -> combine -> ``[T, H]``.
+def check_experts_call(module: nn.Module, dispatcher: Dispatcher, hidden_states: torch.Tensor) -> None:
+    """Refuse a call whose dtype the dispatcher was not built for, or gradients through unzeroed padding.
 
-    More than ``max_tokens_per_rank`` tokens go in batch slices of that many (one dispatch/combine
-    pair each), as many on every rank (:meth:`moe_comm.Dispatcher.split_batch`).
+    Raises:
+        InputError: ``hidden_states`` is not in the dtype the model was made expert-parallel for.
+        ConfigError: ``zero_padding`` is off and ``module``'s parameters require grad.
     """
-    dispatcher: Dispatcher = self._moe_comm_dispatcher
     if hidden_states.dtype != dispatcher.config.torch_dtype:
-        raise InputError(f"{type(self).__name__} hidden_states: the model runs in {hidden_states.dtype} but was made "
-                         f"expert-parallel for {dispatcher.config.dtype}: convert it before expert_parallel, or "
+        raise InputError(f"{type(module).__name__} hidden_states: the model runs in {hidden_states.dtype} but was "
+                         f"made expert-parallel for {dispatcher.config.dtype}: convert it before expert_parallel, or "
                          f"pass expert_parallel(..., dtype=...) with the dtype it will run in")
-    check_padding_for_gradients(dispatcher.config, self.parameters(), f"{type(self).__name__} (moe_comm experts)")
-    grouped = resolve_expert_impl(dispatcher.config, hidden_states.device, _ffn_hidden(self)) == "grouped_mm"
+    check_padding_for_gradients(dispatcher.config, module.parameters(), f"{type(module).__name__} (moe_comm experts)")
+
+
+def dispatched(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+               top_k_weights: torch.Tensor, local_experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+               first_slice: int = 0) -> torch.Tensor:
+    """``hidden_states [T, H]`` -> dispatch -> ``local_experts(rows [N, H], offsets [E_local])`` -> combine -> ``[T, H]``.
+
+    ``module``: the module made expert-parallel (its ``_moe_comm_dispatcher`` and ``_moe_comm_call_site``).
+    ``top_k_index`` ``[T, K]`` global expert ids, ``top_k_weights`` ``[T, K]`` (any float dtype: the
+    combine weights). ``local_experts`` returns ``[N, H]`` (rows past the last segment zero).
+    More than ``max_tokens_per_rank`` tokens go in batch slices of that many (one dispatch/combine
+    pair each), as many on every rank (:meth:`moe_comm.Dispatcher.split_batch`); slice ``i`` carries
+    the call tag of the module's call site and ``first_slice + i`` (a block that dispatches several
+    times per forward numbers them apart).
+    """
+    dispatcher: Dispatcher = module._moe_comm_dispatcher
     pieces = []
-    for tokens, topk_idx, topk_weights in dispatcher.split_batch(hidden_states, top_k_index, top_k_weights):
-        out = dispatcher.dispatch(tokens.contiguous(), topk_idx.contiguous(), topk_weights.float().contiguous())
+    for i, (tokens, topk_idx, topk_weights) in enumerate(
+            dispatcher.split_batch(hidden_states, top_k_index, top_k_weights)):
+        out = dispatcher.dispatch(tokens.contiguous(), topk_idx.contiguous(), topk_weights.float().contiguous(),
+                                  call_tag=dispatcher.call_tag(module._moe_comm_call_site, first_slice + i))
         # FP8 dispatch (dispatch_dtype): the experts run on the dequantized rows (differentiable straight through).
-        rows = _local_experts(self, dispatcher.dequantize(out), out.expert_offsets, grouped)
+        rows = local_experts(dispatcher.dequantize(out), out.expert_offsets)
         pieces.append(dispatcher.combine(rows.contiguous(), out.handle))
     combined = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
     return combined.to(hidden_states.dtype)
+
+
+def _moe_comm_experts_forward(
+    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """The ``"moe_comm"`` experts implementation: ``[T, H]`` -> dispatch -> local experts -> combine -> ``[T, H]``."""
+    dispatcher: Dispatcher = self._moe_comm_dispatcher
+    check_experts_call(self, dispatcher, hidden_states)
+    grouped = resolve_expert_impl(dispatcher.config, hidden_states.device, _ffn_hidden(self)) == "grouped_mm"
+    return dispatched(self, hidden_states, top_k_index, top_k_weights,
+                      lambda rows, offsets: _local_experts(self, rows, offsets, grouped))
 
 
 def _register() -> None:
     from transformers.integrations.moe import ExpertsInterface
 
     ExpertsInterface.register(IMPLEMENTATION, _moe_comm_experts_forward)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    """The config's name of the experts' ``dtype``; ConfigError for one moe_comm does not move."""
+    if dtype not in _DTYPE_NAMES:
+        raise ConfigError(f"expert_parallel: experts in {dtype}; moe_comm moves {', '.join(DTYPES)}")
+    return _DTYPE_NAMES[dtype]
 
 
 def _model_shape(model: nn.Module, modules: list[nn.Module]) -> dict:
@@ -194,9 +233,16 @@ def _model_shape(model: nn.Module, modules: list[nn.Module]) -> dict:
     if len(sizes) != 1:
         raise ConfigError(f"expert_parallel: the model's experts modules differ in expert count or dtype: {sizes}")
     ((experts, dtype),) = sizes
-    if dtype not in _DTYPE_NAMES:
-        raise ConfigError(f"expert_parallel: experts in {dtype}; moe_comm moves {', '.join(DTYPES)}")
-    return dict(num_experts=int(experts), topk=int(topk), hidden=int(config.hidden_size), dtype=_DTYPE_NAMES[dtype])
+    return dict(num_experts=int(experts), topk=int(topk), hidden=int(config.hidden_size), dtype=_dtype_name(dtype))
+
+
+def _blocks_shape(blocks: list) -> dict:
+    """``num_experts``, ``topk`` (the dispatcher's), ``hidden`` and ``dtype`` of the adapted MoE blocks."""
+    shapes = {family.shape(block) for block, family in blocks}
+    if len(shapes) != 1:
+        raise ConfigError(f"expert_parallel: the model's MoE blocks differ in experts, top-k, width or dtype: {shapes}")
+    ((experts, topk, hidden, dtype),) = shapes
+    return dict(num_experts=int(experts), topk=int(topk), hidden=int(hidden), dtype=_dtype_name(dtype))
 
 
 def expert_parallel(
@@ -212,10 +258,14 @@ def expert_parallel(
     order. Global expert ``e`` lives on rank ``e // (E / world_size)``; each rank keeps those
     experts' weights (their other slices are freed) and every MoE layer's experts forward
     dispatches its tokens to the ranks of their experts, runs this rank's experts on what it
-    received and combines the results back. One :class:`moe_comm.Dispatcher` serves every layer.
+    received and combines the results back. One :class:`moe_comm.Dispatcher` serves every layer:
+    ``model.moe_comm_dispatcher`` (``check()`` it between steps, ``close()`` it when done).
+    ``model.save_pretrained`` (when the model has one) is replaced by the collective
+    :func:`save_pretrained`, and each experts module's state dict carries its expert ids.
 
     Args:
-        model: a loaded transformers model whose experts use transformers' experts interface.
+        model: a loaded transformers model whose experts use transformers' experts interface, or
+            with MoE blocks of a family :mod:`.transformers_blocks` adapts (Llama 4 text, DBRX, JetMoE).
         config: a moe_comm :class:`Config`, a YAML path, or None for the embedded default;
             ``num_experts``, ``topk``, ``hidden`` and ``dtype`` are taken from the model (an
             override wins: ``dtype="bfloat16"`` for a model that is converted afterwards).
@@ -227,13 +277,17 @@ def expert_parallel(
         ConfigError: the model has no such experts module, an experts class has a layout this
             cannot handle or weights of the wrong shape, or the world size does not divide the experts.
     """
+    # Imported here: the block families build on this module's helpers.
+    from .transformers_blocks import BLOCK_FAMILIES, find_blocks, keep_local
+
     if hasattr(model, "moe_comm_dispatcher"):
         raise ConfigError(f"expert_parallel: this {type(model).__name__} is expert-parallel already")
-    modules = _experts_modules(model)
-    if not modules:
+    modules, blocks = _experts_modules(model), find_blocks(model)
+    if not modules and not blocks:
         raise ConfigError(f"expert_parallel: {type(model).__name__} has no MoE experts module using transformers' "
-                          "experts interface (@use_experts_implementation)")
-    shape = _model_shape(model, modules)
+                          f"experts interface (@use_experts_implementation) nor an MoE block moe_comm adapts "
+                          f"({', '.join(BLOCK_FAMILIES)}); bring its experts to moe_comm.MoELayer with MoEWeights")
+    shape = _model_shape(model, modules) if modules else _blocks_shape(blocks)
     names = {id(m): _check_layout(m, shape["hidden"]) for m in modules}
     if isinstance(config, Config):
         config = config.to_dict()
@@ -241,15 +295,22 @@ def expert_parallel(
     dispatcher = Dispatcher(moe_config, group)
     local = dispatcher.num_local_experts
     first = dispatcher.rank * local
-    _register()
+    if modules:
+        _register()
+        model.config._experts_implementation = IMPLEMENTATION
     for module in modules:
         with torch.no_grad():
             for name in names[id(module)]:
                 kept = getattr(module, name).detach()[first:first + local].clone()
                 setattr(module, name, nn.Parameter(kept, requires_grad=getattr(module, name).requires_grad))
         module.num_experts = local
+        attach_expert_ids(module, names[id(module)], first, local)
         module._moe_comm_dispatcher = dispatcher
+        module._moe_comm_call_site = dispatcher.new_call_site()  # modules in model order: the same on every rank
         module.config._experts_implementation = IMPLEMENTATION
-    model.config._experts_implementation = IMPLEMENTATION
+    for block, family in blocks:
+        keep_local(block, family, dispatcher)
     model.moe_comm_dispatcher = dispatcher
+    if hasattr(model, "save_pretrained"):
+        model.save_pretrained = functools.partial(save_pretrained, model)
     return model

@@ -441,6 +441,8 @@ class MoELayer(nn.Module):
         if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != hidden:
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise InputError(f"MoELayer x: expected shape [..., {hidden}] (hidden), got {shape}")
+        if x.dtype != self.config.torch_dtype:
+            raise InputError(f"MoELayer x: expected dtype {self.config.dtype} (the config's dtype), got {x.dtype}")
         check_padding_for_gradients(self.config, (self.w_gate_up, self.w_down), "MoELayer")
         tokens = x.reshape(-1, hidden).contiguous()
         routed = self._route(tokens)

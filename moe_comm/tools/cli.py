@@ -309,7 +309,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from ..config import load_config
     from ..errors import RankFailureError
     from .spawn import run_ranks
-    from .job import TOLERANCE, RunOptions, run_rank
+    from .job import TOLERANCE, RunOptions, check_fits, run_rank
 
     overrides = {} if args.backend is None else {"backend": args.backend}
     config = load_config(args.config, **overrides)
@@ -320,6 +320,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         raise _UsageError(f"--tokens: got {tokens}, expected 1..max_tokens_per_rank ({config.max_tokens_per_rank})")
     ffn_hidden = _default_ffn_hidden(config.hidden) if args.ffn_hidden is None else args.ffn_hidden
     options = RunOptions(steps=args.steps, tokens=tokens, ffn_hidden=ffn_hidden, seed=args.seed)
+    check_fits(config, world_size, _resolved_backend(config, gpu), ffn_hidden, gpu)
     where = f"{world_size} GPU ranks" if gpu else f"{world_size} CPU ranks"
     print(
         f"moe-comm run: {where}, backend {_resolved_backend(config, gpu)} over {dist_backend}; "

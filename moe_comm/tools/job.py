@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -20,12 +21,13 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from ..config import load_config
-from ..errors import DeviceStatusError
+from ..config import Config, load_config
+from ..errors import ConfigError, DeviceStatusError
+from ..footprint import run_memory
 from ..nn.layer import MoELayer
 from ..nn.reference import build_dense_weights, dense_forward
 
-__all__ = ["TOLERANCE", "RunOptions", "StepResult", "PhaseTimer", "run_rank"]
+__all__ = ["TOLERANCE", "RunOptions", "StepResult", "PhaseTimer", "check_fits", "run_rank"]
 
 # Largest accepted max|got - want| / max|want| per tensor, by config dtype. The reference is
 # float32; the layer rounds activations and outputs to the config dtype (bf16 keeps 8 bits of
@@ -126,6 +128,46 @@ def _errors(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
     diff = float((got.detach().float() - want.detach().float()).abs().max())
     scale = float(want.detach().float().abs().max())
     return diff, diff / scale if scale > 0 else diff
+
+
+def _host_available_bytes() -> int:
+    """Memory the host can give without swapping: ``MemAvailable`` of ``/proc/meminfo`` (else the free pages)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_fits(config: Config, world_size: int, backend: str, ffn_hidden: int, gpu: bool) -> None:
+    """Refuse a run that cannot fit before any rank starts (otherwise the kernel kills a CPU rank mid-run).
+
+    CPU ranks share the host's available memory (all ``world_size`` of them); a GPU rank has its
+    device's memory (device 0's total: every rank's device is alike on one host).
+
+    Raises:
+        ConfigError: naming the memory needed and available, and for each holder its size and
+            the config key that lowers it, largest first.
+    """
+    terms = run_memory(config, world_size, backend, ffn_hidden)
+    per_rank = sum(term.nbytes for term in terms)
+    if gpu:
+        needed, available = per_rank, torch.cuda.get_device_properties(0).total_memory
+        where = f"of the {available / 2**30:.1f} GiB of GPU 0"
+    else:
+        needed, available = world_size * per_rank, _host_available_bytes()
+        where = (f"({world_size} ranks x {per_rank / 2**30:.1f} GiB) of the {available / 2**30:.1f} GiB this host "
+                 "has available")
+    if needed <= available:
+        return
+    held = "; ".join(f"{term.what}: {term.nbytes / 2**30:.1f} GiB (lower {term.lower})" for term in terms)
+    raise ConfigError(
+        f"this config needs about {needed / 2**30:.1f} GiB {where}; lower config key "
+        f"'{terms[0].lower.split()[0]}' first. Per rank, largest first: {held}"
+    )
 
 
 def run_rank(rank: int, world_size: int, config_dict: dict, options: RunOptions) -> list[StepResult]:
