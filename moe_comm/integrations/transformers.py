@@ -30,15 +30,16 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Callable, Optional, Union
+from typing import Union
 
 import torch
 from torch import nn
 
 from ..config import DTYPES, Config, load_config
 from ..dispatcher import Dispatcher
-from ..errors import ConfigError, InputError
-from ..nn.experts import check_padding_for_gradients, expert_of_rows, resolve_expert_impl
+from ..errors import ConfigError
+from ..nn.experts import expert_of_rows, resolve_expert_impl
+from .expert_calls import check_experts_call, dispatched, segmented_linear
 from .expert_checkpoints import attach_expert_ids, save_pretrained
 
 __all__ = ["IMPLEMENTATION", "expert_parallel", "save_pretrained"]
@@ -113,30 +114,6 @@ def _ffn_hidden(module: nn.Module) -> int:
     return module.down_proj.shape[1 if module.is_transposed else 2]
 
 
-def _segmented_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], transposed: bool,
-                      expert_offsets: torch.Tensor, expert_of_row: torch.Tensor, grouped: bool) -> torch.Tensor:
-    """Row ``r`` of ``x [N, in]`` through local expert ``expert_of_row[r]``'s projection: ``[N, out]``.
-
-    ``weight`` is ``[E_local, in, out]`` when ``transposed``, else ``[E_local, out, in]``; ``bias``
-    ``[E_local, out]`` or None. Rows past the last segment come out zero (their gradient too).
-    ``grouped``: one ``torch._grouped_mm`` (offsets read on the device); otherwise every expert runs
-    over all rows and keeps its own (static shapes, any device and dtype).
-    """
-    local = weight.shape[0]
-    if grouped:
-        out = torch._grouped_mm(x, weight if transposed else weight.transpose(1, 2), offs=expert_offsets)
-        if bias is not None:
-            out = out + bias[expert_of_row[:, 0].clamp(max=local - 1)]
-    else:
-        out = None
-        for j in range(local):
-            expert_out = x @ (weight[j] if transposed else weight[j].transpose(0, 1))
-            if bias is not None:
-                expert_out = expert_out + bias[j]
-            out = expert_out if out is None else torch.where(expert_of_row == j, expert_out, out)
-    return torch.where(expert_of_row < local, out, torch.zeros_like(out))
-
-
 def _local_experts(module: nn.Module, rows: torch.Tensor, expert_offsets: torch.Tensor, grouped: bool) -> torch.Tensor:
     """The transformers experts ``module`` (this rank's slice) on dispatch's expert-major ``rows [N, H]``.
 
@@ -148,55 +125,15 @@ def _local_experts(module: nn.Module, rows: torch.Tensor, expert_offsets: torch.
     # Rows past the last segment are unspecified (possibly NaN): zero them before any arithmetic.
     inputs = torch.where(expert_of_row < module.down_proj.shape[0], rows, torch.zeros_like(rows))
     up_name = "gate_up_proj" if module.has_gate else "up_proj"
-    hidden = _segmented_linear(inputs, getattr(module, up_name), getattr(module, f"{up_name}_bias", None)
-                               if module.has_bias else None, module.is_transposed, expert_offsets, expert_of_row,
-                               grouped)
+    hidden = segmented_linear(inputs, getattr(module, up_name), getattr(module, f"{up_name}_bias", None)
+                              if module.has_bias else None, module.is_transposed, expert_offsets, expert_of_row,
+                              grouped)
     hidden = module._apply_gate(hidden) if module.has_gate else module.act_fn(hidden)
-    out = _segmented_linear(hidden, module.down_proj, module.down_proj_bias if module.has_bias else None,
-                            module.is_transposed, expert_offsets, expert_of_row, grouped)
+    out = segmented_linear(hidden, module.down_proj, module.down_proj_bias if module.has_bias else None,
+                           module.is_transposed, expert_offsets, expert_of_row, grouped)
     if _has_post_norm(module):
         out = torch.where(expert_of_row < module.down_proj.shape[0], module.post_expert_norm(out), out)
     return out.to(rows.dtype)
-
-
-def check_experts_call(module: nn.Module, dispatcher: Dispatcher, hidden_states: torch.Tensor) -> None:
-    """Refuse a call whose dtype the dispatcher was not built for, or gradients through unzeroed padding.
-
-    Raises:
-        InputError: ``hidden_states`` is not in the dtype the model was made expert-parallel for.
-        ConfigError: ``zero_padding`` is off and ``module``'s parameters require grad.
-    """
-    if hidden_states.dtype != dispatcher.config.torch_dtype:
-        raise InputError(f"{type(module).__name__} hidden_states: the model runs in {hidden_states.dtype} but was "
-                         f"made expert-parallel for {dispatcher.config.dtype}: convert it before expert_parallel, or "
-                         f"pass expert_parallel(..., dtype=...) with the dtype it will run in")
-    check_padding_for_gradients(dispatcher.config, module.parameters(), f"{type(module).__name__} (moe_comm experts)")
-
-
-def dispatched(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-               top_k_weights: torch.Tensor, local_experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-               first_slice: int = 0) -> torch.Tensor:
-    """``hidden_states [T, H]`` -> dispatch -> ``local_experts(rows [N, H], offsets [E_local])`` -> combine -> ``[T, H]``.
-
-    ``module``: the module made expert-parallel (its ``_moe_comm_dispatcher`` and ``_moe_comm_call_site``).
-    ``top_k_index`` ``[T, K]`` global expert ids, ``top_k_weights`` ``[T, K]`` (any float dtype: the
-    combine weights). ``local_experts`` returns ``[N, H]`` (rows past the last segment zero).
-    More than ``max_tokens_per_rank`` tokens go in batch slices of that many (one dispatch/combine
-    pair each), as many on every rank (:meth:`moe_comm.Dispatcher.split_batch`); slice ``i`` carries
-    the call tag of the module's call site and ``first_slice + i`` (a block that dispatches several
-    times per forward numbers them apart).
-    """
-    dispatcher: Dispatcher = module._moe_comm_dispatcher
-    pieces = []
-    for i, (tokens, topk_idx, topk_weights) in enumerate(
-            dispatcher.split_batch(hidden_states, top_k_index, top_k_weights)):
-        out = dispatcher.dispatch(tokens.contiguous(), topk_idx.contiguous(), topk_weights.float().contiguous(),
-                                  call_tag=dispatcher.call_tag(module._moe_comm_call_site, first_slice + i))
-        # FP8 dispatch (dispatch_dtype): the experts run on the dequantized rows (differentiable straight through).
-        rows = local_experts(dispatcher.dequantize(out), out.expert_offsets)
-        pieces.append(dispatcher.combine(rows.contiguous(), out.handle))
-    combined = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-    return combined.to(hidden_states.dtype)
 
 
 def _moe_comm_experts_forward(

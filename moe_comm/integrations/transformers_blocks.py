@@ -30,7 +30,7 @@ from torch import nn
 from ..dispatcher import Dispatcher
 from ..nn.experts import expert_of_rows, resolve_expert_impl
 from .expert_checkpoints import attach_expert_ids
-from .transformers import _segmented_linear, check_experts_call, dispatched
+from .expert_calls import check_experts_call, dispatched, segmented_linear
 
 __all__ = ["BLOCK_FAMILIES", "BlockFamily", "find_blocks", "keep_local"]
 
@@ -58,14 +58,14 @@ def _gated(dispatcher: Dispatcher, rows: torch.Tensor, offsets: torch.Tensor, ff
     """``act(gate) * up`` through the down projection for dispatch's expert-major ``rows [N, H]``.
 
     ``projections(inputs, expert_of_row, grouped)`` gives ``(gate, up)`` ``[N, F]``; ``down`` is
-    ``(weight, transposed)`` as :func:`_segmented_linear` takes it. Rows past the last segment come out zero.
+    ``(weight, transposed)`` as :func:`segmented_linear` takes it. Rows past the last segment come out zero.
     """
     grouped = resolve_expert_impl(dispatcher.config, rows.device, ffn) == "grouped_mm"
     expert_of_row = expert_of_rows(offsets, rows.shape[0])
     # Rows past the last segment are unspecified (possibly NaN): zero them before any arithmetic.
     inputs = torch.where(expert_of_row < dispatcher.num_local_experts, rows, torch.zeros_like(rows))
     gate, up = projections(inputs, expert_of_row, grouped)
-    out = _segmented_linear(act(gate) * up, down[0], None, down[1], offsets, expert_of_row, grouped)
+    out = segmented_linear(act(gate) * up, down[0], None, down[1], offsets, expert_of_row, grouped)
     return out.to(rows.dtype)
 
 
@@ -85,7 +85,7 @@ def _llama4_forward(block: nn.Module, hidden_states: torch.Tensor) -> tuple[torc
 
     def local(rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         def projections(inputs, expert_of_row, grouped):
-            gate_up = _segmented_linear(inputs, experts.gate_up_proj, None, True, offsets, expert_of_row, grouped)
+            gate_up = segmented_linear(inputs, experts.gate_up_proj, None, True, offsets, expert_of_row, grouped)
             return gate_up.chunk(2, dim=-1)
 
         return _gated(dispatcher, rows, offsets, ffn, projections, (experts.down_proj, True), experts.act_fn)
@@ -120,8 +120,8 @@ def _dbrx_experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k
 
     def local(rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         def projections(inputs, expert_of_row, grouped):
-            return tuple(_segmented_linear(inputs, weight.view(per_expert), None, False, offsets, expert_of_row,
-                                           grouped) for weight in (mlp.w1, mlp.v1))
+            return tuple(segmented_linear(inputs, weight.view(per_expert), None, False, offsets, expert_of_row,
+                                          grouped) for weight in (mlp.w1, mlp.v1))
 
         return _gated(dispatcher, rows, offsets, experts.ffn_hidden_size, projections,
                       (mlp.w2.view(per_expert), True), mlp.activation_fn)
@@ -156,8 +156,8 @@ def _jetmoe_forward(block: nn.Module, layer_input: torch.Tensor) -> torch.Tensor
 
     def local(rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         def projections(inputs, expert_of_row, grouped):
-            hidden_states = _segmented_linear(inputs, block.input_linear.weight, None, False, offsets,
-                                              expert_of_row, grouped)
+            hidden_states = segmented_linear(inputs, block.input_linear.weight, None, False, offsets,
+                                             expert_of_row, grouped)
             return hidden_states.chunk(2, dim=-1)
 
         return _gated(dispatcher, rows, offsets, ffn, projections, (block.output_linear.weight, False),
