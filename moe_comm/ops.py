@@ -3,8 +3,8 @@
 ``torch.compile`` traces Python into a graph; the host-side state of a call (symmetric buffers,
 kernels, launch parameters, epochs) must stay out of it. Each op is opaque to the compiler: it
 takes tensors and the integer id of a ``Dispatcher`` (a constant of the graph) and looks up that
-dispatcher's backend in a registry here. Fake implementations give every output's shape and dtype from the backend's config
-alone, and autograd is registered on the ops with the same backward math as the eager path
+dispatcher's backend in a registry here. Fake implementations give every output's shape and dtype
+from the backend's config alone, and autograd is registered on the ops with the same backward math as the eager path
 (:mod:`moe_comm.autograd`), so a compiled model differentiates through dispatch and combine, and
 through FP8 dispatch's dequantized rows (``dispatch_fp8``, ``dequantize_fp8``: straight through).
 

@@ -24,7 +24,7 @@ class Fp8Codec:
 
     Args:
         config: a config with ``dispatch_dtype`` set (its dtype, hidden size and ``dispatch_round_scale``).
-        device: the dispatcher's device.
+        device: the backend's device.
     """
 
     def __init__(self, config: Config, device: torch.device) -> None:
