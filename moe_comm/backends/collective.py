@@ -276,8 +276,11 @@ class CollectiveBackend(Backend):
         rank (each sees the other's tag), which ``Dispatcher.check`` reports.
         """
         differs = peer_tags != self.call_tag
-        peer = torch.argmax(differs.to(torch.int32)).to(torch.int64)
-        word = protocol.encode_call_mismatch(peer, peer_tags[peer].to(torch.int64), self.call_tag)
+        # Index with a device tensor (index_select): indexing by a 0-d tensor reads it on the host, which a
+        # CUDA graph capture refuses.
+        peer = torch.argmax(differs.to(torch.int32)).reshape(1)
+        word = protocol.encode_call_mismatch(peer.to(torch.int64), peer_tags.index_select(0, peer).to(torch.int64),
+                                             self.call_tag)
         field = self.status[protocol.STATUS_CALL_MISMATCH:protocol.STATUS_CALL_MISMATCH + 1]
         field.copy_(torch.where(differs.any() & (field == 0), word, field))
 
