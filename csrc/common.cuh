@@ -377,19 +377,15 @@ __device__ __forceinline__ bool abort_seen(i64* status) {
     return word != 0ull;
 }
 
+__device__ __forceinline__ void remote_st64(u64* dst, u64 value, int pe);  // "remote writes" below
+
 // One thread: this rank failed waiting for `peer` (rank; the own rank: its blocks) in `phase`.
 // Whole word stores, any order: every raised word is some failing rank's, which is all a reader uses.
 __device__ __forceinline__ void raise_abort(i64* status, int phase, int peer) {
     const u64 word = ABORT_RAISED | (static_cast<u64>(phase) << 32) |
                      (static_cast<u64>(peer == s_fault.rank ? ABORT_NO_PEER : peer) << 16) |
                      static_cast<u64>(s_fault.rank);
-    for (int r = 0; r < s_fault.world; ++r) {
-#if PUT_TRANSPORT
-        nvshmem_uint64_p(abort_word(s_fault.peers[r], s_fault.world), word, r);
-#else
-        st_relaxed_sys(abort_word(s_fault.peers[r], s_fault.world), word);
-#endif
-    }
+    for (int r = 0; r < s_fault.world; ++r) remote_st64(abort_word(s_fault.peers[r], s_fault.world), word, r);
     status_record_abort(status, word);
 }
 
