@@ -60,8 +60,9 @@ _FORK_SERVER_PRELOAD = ("torch", "torch.distributed")
 # The most intra-op threads a rank gets (see _rank_threads).
 _RANK_THREADS_MAX = 8
 
-# The rendezvous store's file in the run directory.
+# The rendezvous store's file in the run directory, and the keys the ranks set once their init returned.
 _STORE_FILE = "store"
+_JOINED_KEY = "moe_comm/joined/"
 
 # Seconds a killed rank gets to write its stack dump before SIGKILL.
 _STACK_DUMP_WAIT_S = 0.5
@@ -123,6 +124,11 @@ def _child(
         dist.init_process_group(
             options["dist_backend"], store=store, rank=rank, world_size=world_size, timeout=timeout, **kwargs
         )
+        # Every rank's init has returned before any rank goes on: a rank whose function returns at once
+        # would otherwise tear its process group down while a peer's gloo still connects to it
+        # ("Connection closed by peer" in connectFullMesh, seen once on the 2-core CI machine).
+        store.set(f"{_JOINED_KEY}{rank}", "1")
+        store.wait([f"{_JOINED_KEY}{r}" for r in range(world_size)], timeout)
         delay = options["delay_rank"]
         if delay is not None and delay[0] == rank:
             time.sleep(delay[1])
