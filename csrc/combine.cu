@@ -20,6 +20,10 @@
 //         z[t] = dtype(sum over r increasing with send_mask[t, r] of float(ret_x[r][t]))
 //     from 0.0f with __fadd_rn; a token sent nowhere gets zeros. The last block release-stores
 //     ack[1][R] = e into every rank's flags and sets state.epoch[1] = e.
+//   TOKEN_MAJOR builds (combine of the token-major layout): the partial rows were summed beforehand, by
+//     unpermute (permute.cu) on the caller's stream with the same float32 sums: y is [W * M, H], one
+//     row per slab row, and the send phase reads row (s, t) of y instead of summing K rows (zeros
+//     when no entry of the row is kept). Everything else is as above, so z is bitwise the same.
 //   One rank (world 1) runs `combine_one_rank`: z[t] is the partial row of slab row t summed as
 //     the sum phase sums it (0.0f + the dtype-rounded partial, so bitwise the same), written
 //     straight into z: no slab, signal or wait, one warp per (token, unit) on the blocks the
@@ -34,13 +38,45 @@
 //
 // moe_comm-defines: {"DTYPE": "bf16", "HIDDEN": 1024, "TOPK": 4}
 // moe_comm-defines: {"DTYPE": "bf16", "HIDDEN": 7168, "TOPK": 8}
+// moe_comm-defines: {"DTYPE": "bf16", "HIDDEN": 7168, "TOPK": 8, "TOKEN_MAJOR": 1}
 
 #include "common.cuh"
-#include "reduce.cuh"
+#include "row_sums.cuh"
 
 #define COMBINE_RECV_VPL 4
 
 // ------------------------------------------------------------------------------ send phase
+
+// Warp-wide: the unit's vectors, from v0, of slab row g's partial row (kept: its kept entries, bit k;
+// pos_at / weight_at: entry k's row of y and weight, warp-uniform). Expert-major: summed from the kept
+// entries' rows of y [capacity_rows, H] (sum_kept_rows, rounded to DTYPE). TOKEN_MAJOR builds: read
+// from row g of y [W * M, H], where unpermute (permute.cu) summed it with the same sum_kept_rows;
+// zeros when no entry is kept. before_sums() runs once the unit's first loads are issued. acc: zeros
+// on entry, the expert-major sum's scratch.
+template <typename PosAt, typename WeightAt, typename BeforeSums>
+__device__ __forceinline__ void partial_unit(Vec16 (&partial)[COMBINE_SEND_VPL], float (&acc)[COMBINE_SEND_VPL][ELEMS_PER_VEC],
+                                             const u8* rows, i64 g, u32 kept,
+                                             PosAt pos_at, WeightAt weight_at, bool weighted, int v0,
+                                             BeforeSums before_sums) {
+#if TOKEN_MAJOR
+    (void)acc;
+    (void)pos_at;
+    (void)weight_at;
+    (void)weighted;
+    if (kept != 0u) {
+        load_unit<COMBINE_SEND_VPL, kUserInput>(rows + g * ROW_BYTES, partial, v0);
+    } else {
+#pragma unroll
+        for (int u = 0; u < COMBINE_SEND_VPL; ++u) partial[u] = zero16();
+    }
+    before_sums();
+#else
+    (void)g;
+    sum_kept_rows(acc, rows, kept, pos_at, weight_at, weighted, v0, before_sums);
+#pragma unroll
+    for (int u = 0; u < COMBINE_SEND_VPL; ++u) partial[u] = pack16(acc[u]);
+#endif
+}
 
 // Block-wide: one partial row per carried slab row of recv_pos [W * M, K], from the rows of
 // y [capacity_rows, H], into ret_x[R][t] of its source s, once the acks of epoch - 1 are in (see
@@ -67,8 +103,10 @@ __device__ __forceinline__ void send_partials(RowBatch& batch, const i64* s_peer
             const int v0 = row_unit * Units::kVecs + lane;
             float acc[COMBINE_SEND_VPL][ELEMS_PER_VEC];
             zero_acc<COMBINE_SEND_VPL>(acc);
-            sum_kept_rows(acc, rows, kept, [&](int k) { return batch.pos[r * TOPK + k]; },
-                          [&](int k) { return batch.weight[r * TOPK + k]; }, weighted != 0, v0, [&]() {
+            Vec16 partial[COMBINE_SEND_VPL];
+            partial_unit(partial, acc, rows, TOKEN_MAJOR ? batch.row[r] : 0, kept,
+                         [&](int k) { return batch.pos[r * TOPK + k]; },
+                         [&](int k) { return batch.weight[r * TOPK + k]; }, weighted != 0, v0, [&]() {
                 if (!acked) {
                     warp_wait_flags(s_peer[rank], world, CH_TO_SOURCE, FLAG_ACK, epoch - 1, status,
                                     TIMEOUT_TO_SOURCE_ACK, timeout_ns);
@@ -78,9 +116,6 @@ __device__ __forceinline__ void send_partials(RowBatch& batch, const i64* s_peer
             const i64 g = batch.row[r];
             const int s = static_cast<int>(g / max_tokens_per_rank);
             const i64 t = g - static_cast<i64>(s) * max_tokens_per_rank;
-            Vec16 partial[COMBINE_SEND_VPL];
-#pragma unroll
-            for (int u = 0; u < COMBINE_SEND_VPL; ++u) partial[u] = pack16(acc[u]);
             u8* dst = reinterpret_cast<u8*>(s_peer[s] + off_ret_x) + (static_cast<i64>(rank) * max_tokens_per_rank + t) * ROW_BYTES;
 #if PUT_TRANSPORT
             if (s != rank) {  // staged in this rank's own allocation, the copy NVSHMEM reads
@@ -171,11 +206,10 @@ __device__ __forceinline__ void combine_own_tokens(const void* y, int capacity_r
         const int v0 = row_unit * Units::kVecs + lane;
         float acc[COMBINE_SEND_VPL][ELEMS_PER_VEC];
         zero_acc<COMBINE_SEND_VPL>(acc);
-        sum_kept_rows(acc, static_cast<const u8*>(y), kept, [&](int k) { return __shfl_sync(FULL_MASK, pos, k); },
-                      [&](int k) { return __shfl_sync(FULL_MASK, w, k); }, weighted != 0, v0, []() {});
         Vec16 partial[COMBINE_SEND_VPL];
-#pragma unroll
-        for (int u = 0; u < COMBINE_SEND_VPL; ++u) partial[u] = pack16(acc[u]);
+        partial_unit(partial, acc, static_cast<const u8*>(y), t, kept,
+                     [&](int k) { return __shfl_sync(FULL_MASK, pos, k); },
+                     [&](int k) { return __shfl_sync(FULL_MASK, w, k); }, weighted != 0, v0, []() {});
         zero_acc<COMBINE_SEND_VPL>(acc);
         accumulate<COMBINE_SEND_VPL>(acc, partial, 1.0f, false, v0);
 #pragma unroll

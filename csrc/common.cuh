@@ -14,6 +14,9 @@
 //   FP8_ROWS  0 (default): slab and output rows are DTYPE rows; 1 (FP8 dispatch's build of dispatch.cu):
 //             they are packed FP8 rows of HIDDEN channels (FP8_ROW_BYTES below; the quantization
 //             is fp8.cuh's), and DTYPE rows are what dispatch quantizes from
+//   TOKEN_MAJOR  0 (default): dispatch expands rows expert-major and combine sums the experts' rows;
+//             1 (Config.receive_layout token_major): dispatch writes one row per slab row and combine
+//             sends rows already reduced per slab row (dispatch.cu, combine.cu, permute.cu)
 //
 // Values shared with Python (status word fields, channels, flag kinds, timeout phases, state
 // words and slots, limits, block shapes, META_WORDS) come from protocol.cuh, which
@@ -43,6 +46,10 @@
 //                  (CLAIM_ARRIVALS, expand_arrivals) and of its padding (CLAIM_PADDING, zero_padding).
 //   * timeout phases: TIMEOUT_*, recorded by spin_until (wait_flag_geq, wait_tagged).
 #pragma once
+
+#ifndef TOKEN_MAJOR
+#define TOKEN_MAJOR 0
+#endif
 
 #include "protocol.cuh"
 #include "transport.cuh"

@@ -81,6 +81,11 @@
 // with `quantize` the send and own-expansion phases build them as they go, from config-dtype x or
 // from the pre-quantized pair x (e4m3) and x_scales ("FP8 rows built on the way" below); without
 // it x holds packed rows, copied like any rows.
+// TOKEN_MAJOR builds (dispatch of the token-major layout, Config.receive_layout): every phase is the
+// same, except that the expansion copies each slab row that has a kept entry once, to row s * M + t of
+// out_x [W * M, ...] (for_each_target_row in expand.cuh), and no padding is zeroed (the host passes
+// zero_pad 0): the comm kernel writes one row per (token, destination rank), and the caller's permute
+// (permute.cu) expands it to the expert-major layout with every SM, along the same recv_pos.
 // `redispatch` runs the same channel with rows only (no metadata) along an existing routing's
 // send_mask: it writes its tagged count word as dispatch does (every call of a parity rewrites
 // that word), its senders ((one copy:) after the acks of e - 1) release-store arrival[0][R] = e
@@ -96,6 +101,7 @@
 // moe_comm-defines: {"DTYPE": "bf16", "HIDDEN": 1024, "TOPK": 4}
 // moe_comm-defines: {"DTYPE": "bf16", "HIDDEN": 7168, "TOPK": 8}
 // moe_comm-defines: {"DTYPE": "bf16", "HIDDEN": 7168, "TOPK": 8, "FP8_ROWS": 1, "FP8_INV_MAX_BITS": 991054117}
+// moe_comm-defines: {"DTYPE": "bf16", "HIDDEN": 7168, "TOPK": 8, "TOKEN_MAJOR": 1}
 
 #include "common.cuh"
 #if FP8_ROWS

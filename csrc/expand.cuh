@@ -37,15 +37,22 @@ struct OwnRows {
     int num_tokens;
 };
 
-// Warp-wide: store(row) for the out_x row of each kept entry, k increasing (lane k < TOPK holds
-// entry k's position in `pos`; kept_entries; pos_at(k): entry k's position, for a kept k,
-// warp-uniform). `lane` is the caller's lane.
+// Warp-wide: store(row) for the out_x rows slab row g goes to (lane k < TOPK holds entry k's position
+// in `pos`; kept_entries; pos_at(k): entry k's position, for a kept k, warp-uniform; `lane` is the
+// caller's lane). Expert-major: the row of each kept entry, k increasing. TOKEN_MAJOR builds: row g
+// itself, once, when an entry is kept (out_x [W * M, ...]; the local permute expands it later).
 template <typename PosAt, typename Store>
-__device__ __forceinline__ void for_each_kept_row(int lane, int pos, PosAt pos_at, int capacity_rows, u8* out,
-                                                  Store store) {
+__device__ __forceinline__ void for_each_target_row(i64 g, int lane, int pos, PosAt pos_at, int capacity_rows, u8* out,
+                                                    Store store) {
+#if TOKEN_MAJOR
+    (void)pos_at;
+    if (kept_entries(lane, pos, capacity_rows) != 0u) store(out + g * ROW_BYTES);
+#else
+    (void)g;
     for (u32 m = kept_entries(lane, pos, capacity_rows); m != 0u; m &= m - 1u) {
         store(out + static_cast<i64>(pos_at(__ffs(static_cast<int>(m)) - 1)) * ROW_BYTES);
     }
+#endif
 }
 
 // Warp-wide: unit `row_unit` of slab row g to the out_x rows of its kept entries (lane k < TOPK holds
@@ -70,8 +77,8 @@ __device__ __forceinline__ void copy_row_unit(i64 g, int row_unit, int pos, PosA
     if (from_x && own.quantize) {
         Vec16 quad;
         fp8_source_unit<EXPAND_VPL>(own.x, own.scales, t, vals, quad, v0);
-        for_each_kept_row(lane, pos, pos_at, capacity_rows, out,
-                          [&](u8* row) { store_fp8_unit<EXPAND_VPL>(row, vals, quad, v0); });
+        for_each_target_row(g, lane, pos, pos_at, capacity_rows, out,
+                            [&](u8* row) { store_fp8_unit<EXPAND_VPL>(row, vals, quad, v0); });
         return;
     }
 #endif
@@ -80,7 +87,8 @@ __device__ __forceinline__ void copy_row_unit(i64 g, int row_unit, int pos, PosA
     } else {
         load_unit<EXPAND_VPL, kWrittenHere>(recv + g * ROW_BYTES, vals, v0);
     }
-    for_each_kept_row(lane, pos, pos_at, capacity_rows, out, [&](u8* row) { store_unit<EXPAND_VPL>(row, vals, v0); });
+    for_each_target_row(g, lane, pos, pos_at, capacity_rows, out,
+                        [&](u8* row) { store_unit<EXPAND_VPL>(row, vals, v0); });
 }
 
 // Block-wide: copy_row_unit for every unit of the listed rows of `batch` (slab rows batch.row[...]).

@@ -1,4 +1,4 @@
-// reduce.cuh: the float32 sums of rows that combine (combine.cu) and unpermute (permute.cu) share, so
+// row_sums.cuh: the float32 sums of rows that combine (combine.cu) and unpermute (permute.cu) share, so
 // that a partial row is the same bits whichever kernel builds it: moe_comm.routing's definition,
 // w_k * row rounded, then added, per operation (__fmul_rn / __fadd_rn, no fused multiply-add), from 0.0f.
 #pragma once
