@@ -8,6 +8,11 @@
 * FP8 dispatch: the quantization is taken as the identity for gradients (straight through, as
   FP8 training recipes do), so the dequantized rows' backward is dispatch's: an unweighted
   combine in the config dtype; gradients are never quantized.
+* Token-major layout (``Config.receive_layout``): dispatch, permute, unpermute and combine are four
+  functions, each one's backward the forward of its partner: dispatch's is a combine of the rows'
+  gradients (and the return of its received weights' gradients to their assignments), permute's an
+  unweighted unpermute, unpermute's a permute of the partials' gradients, and combine's a redispatch.
+  The gradients are bitwise those of the expert-major path: the same rows are summed in the same order.
 
 Every rank must run the same backward calls in the same order (they are collective), so
 the backward functions always make all their exchanges, whichever inputs need gradients.
@@ -15,14 +20,15 @@ the backward functions always make all their exchanges, whichever inputs need gr
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
-from .routing import Routing, row_values
+from .routing import Routing, row_values, scatter_entry_values
 from .backends.base import Backend, DispatchResult
 
-__all__ = ["dispatch_with_grad", "combine_with_grad", "combine_backward", "straight_through_rows"]
+__all__ = ["dispatch_with_grad", "received_weights", "combine_with_grad", "combine_backward", "expert_row_grads", "straight_through_rows",
+           "permute_with_grad", "unpermute_with_grad"]
 
 
 def kernel_rows(rows: torch.Tensor) -> torch.Tensor:
@@ -34,8 +40,18 @@ def kernel_rows(rows: torch.Tensor) -> torch.Tensor:
 
 
 def _rows_grad_to_tokens(backend: Backend, grad_rows: torch.Tensor, routing: Routing) -> torch.Tensor:
-    """Dispatch's backward: the rows' gradients back to their tokens, summed there (an unweighted combine)."""
+    """The expert-major rows' gradients back to their tokens, summed there (an unweighted combine; token-major:
+    reduced per slab row first, permute's backward, then combined)."""
+    if backend.token_major:
+        grad_rows = backend.unpermute(kernel_rows(grad_rows), routing, None)
     return backend.combine(kernel_rows(grad_rows), routing, weighted=False)
+
+
+def _weights_grad_to_assignments(backend: Backend, grad_weights: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """Token-major dispatch's backward for its received weights: ``grad_weights [W * M, K]`` float32 (the
+    destination's, per entry) back to the assignments of the sources, ``[T, K]`` float32."""
+    entries = grad_weights.reshape(routing.recv_pos.shape)
+    return backend.return_entry_values(row_values(routing.recv_pos, entries, backend.capacity_rows), routing)
 
 
 class _Dispatch(torch.autograd.Function):
@@ -50,7 +66,22 @@ class _Dispatch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_rows, _grad_offsets, _grad_counts):
-        return _rows_grad_to_tokens(ctx.backend, grad_rows, ctx.routing), None, None, None, None
+        # The rows' gradients in the layout dispatch returned (token-major rows need no unpermute).
+        return ctx.backend.combine(kernel_rows(grad_rows), ctx.routing, weighted=False), None, None, None, None
+
+
+class _ReceivedWeights(torch.autograd.Function):
+    """A token-major dispatch's received weights ``[W * M, K]`` as a function of the sources' ``topk_weights``."""
+
+    @staticmethod
+    def forward(ctx, topk_weights, backend: Backend, routing: Routing):
+        ctx.backend = backend
+        ctx.routing = routing
+        return routing.recv_weight.view(backend.num_slab_rows, -1)
+
+    @staticmethod
+    def backward(ctx, grad_weights):
+        return _weights_grad_to_assignments(ctx.backend, grad_weights, ctx.routing), None, None
 
 
 class _StraightThrough(torch.autograd.Function):
@@ -103,31 +134,127 @@ def combine_backward(
     Returns:
         ``grad_y [capacity_rows, H]`` (y's dtype) and ``grad_topk_weights [T, K]`` float32.
     """
-    spread = redispatch(grad_z.contiguous()).float()
+    grad_y, row_dot = expert_row_grads(redispatch(grad_z.contiguous()), y, routing.recv_pos, routing.recv_weight)
+    return grad_y, return_entry_values(row_dot)
+
+
+def expert_row_grads(spread: torch.Tensor, y: torch.Tensor, recv_pos: torch.Tensor,
+                     recv_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The destination's half of a weighted sum's backward (combine's, and unpermute's).
+
+    Args:
+        spread: ``[capacity_rows, H]`` each kept row holds the gradient of the partial its entry went into
+            (other rows unspecified). y: ``[capacity_rows, H]`` the rows summed. recv_pos, recv_weight:
+            ``[W, M, K]`` (or ``[W * M, K]``) the entries' rows and weights.
+
+    Returns:
+        ``grad_y [capacity_rows, H]`` (y's dtype: ``w * spread`` on kept rows, exact zeros elsewhere) and
+        ``row_dot [capacity_rows]`` float32 (``<spread, y>`` of each kept row, the gradient of its weight).
+    """
+    spread = spread.float()
     rows = y.shape[0]
-    row_weight = row_values(routing.recv_pos, routing.recv_weight, rows)
-    row_used = row_values(routing.recv_pos, torch.ones_like(routing.recv_weight), rows) > 0
+    row_weight = row_values(recv_pos, recv_weight, rows)
+    row_used = row_values(recv_pos, torch.ones_like(recv_weight), rows) > 0
     # Rows no entry maps to (padding, and rows past the last segment) get an exact zero,
     # so whatever they held cannot leak a NaN into the experts' weight gradients.
     grad_y = torch.where(row_used[:, None], spread * row_weight[:, None], torch.zeros_like(spread)).to(y.dtype)
     row_dot = torch.where(row_used, (spread * y.float()).sum(dim=1), torch.zeros_like(row_weight))
-    return grad_y, return_entry_values(row_dot)
+    return grad_y, row_dot
 
 
 def dispatch_with_grad(
     backend: Backend, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
-) -> DispatchResult:
-    """``backend.dispatch`` recorded on the autograd tape: ``out.x`` is differentiable w.r.t. ``x``."""
+) -> tuple[DispatchResult, torch.Tensor]:
+    """``backend.dispatch`` recorded on the autograd tape: ``out.x`` is differentiable w.r.t. ``x`` (if it
+    requires grad).
+
+    Returns the result and the received weights ``[W * M, K]`` float32 (``routing.recv_weight``'s values):
+    in the token-major layout, whose unpermute applies them, differentiable w.r.t. ``topk_weights``.
+    """
     results: list[DispatchResult] = []
-    rows, offsets, counts = _Dispatch.apply(x, backend, topk_idx, topk_weights, results)
-    return DispatchResult(rows, offsets, counts, results[0].routing)
+    if x.requires_grad:
+        rows, offsets, counts = _Dispatch.apply(x, backend, topk_idx, topk_weights, results)
+        result = DispatchResult(rows, offsets, counts, results[0].routing)
+    else:
+        result = backend.dispatch(x, topk_idx, topk_weights)
+    return result, received_weights(backend, topk_weights, result.routing)
+
+
+def received_weights(backend: Backend, topk_weights: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """``routing.recv_weight`` as ``[W * M, K]``; token-major with ``topk_weights`` requiring grad, differentiable
+    w.r.t. them (the backward returns each entry's gradient to its assignment: ``return_entry_values``)."""
+    if backend.token_major and torch.is_grad_enabled() and topk_weights.requires_grad:
+        return _ReceivedWeights.apply(topk_weights, backend, routing)
+    return routing.recv_weight.view(backend.num_slab_rows, -1)
 
 
 def combine_with_grad(
     backend: Backend, y: torch.Tensor, topk_weights: torch.Tensor, routing: Routing
 ) -> torch.Tensor:
-    """``backend.combine`` recorded on the autograd tape: differentiable w.r.t. ``y`` and ``topk_weights``."""
+    """``backend.combine`` recorded on the autograd tape: differentiable w.r.t. ``y`` and ``topk_weights``
+    (token-major: w.r.t. the reduced rows ``y [W * M, H]`` only; the weights were applied by unpermute)."""
+    if backend.token_major:
+        return _CombineReduced.apply(y, backend, routing)
     return _Combine.apply(y, topk_weights, backend, routing)
+
+
+class _CombineReduced(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, backend: Backend, routing: Routing):
+        ctx.backend = backend
+        ctx.routing = routing
+        return backend.combine(y, routing, weighted=True)
+
+    @staticmethod
+    def backward(ctx, grad_z):
+        return ctx.backend.redispatch(kernel_rows(grad_z), ctx.routing), None, None
+
+
+class _Permute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, backend: Backend, routing: Routing, expert_offsets, tokens_per_expert):
+        ctx.backend = backend
+        ctx.routing = routing
+        return backend.permute(rows, routing, expert_offsets, tokens_per_expert)
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        return ctx.backend.unpermute(kernel_rows(grad_rows), ctx.routing, None), None, None, None, None
+
+
+class _Unpermute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, weights, backend: Backend, routing: Routing, expert_offsets, tokens_per_expert):
+        ctx.backend = backend
+        ctx.routing = routing
+        ctx.segments = (expert_offsets, tokens_per_expert)
+        ctx.save_for_backward(y, weights)
+        return backend.unpermute(y, routing, weights)
+
+    @staticmethod
+    def backward(ctx, grad_partials):
+        y, weights = ctx.saved_tensors
+        backend, routing = ctx.backend, ctx.routing
+        spread = backend.permute(kernel_rows(grad_partials), routing, *ctx.segments)
+        entry_weights = torch.ones_like(routing.recv_weight) if weights is None else weights.view(routing.recv_pos.shape)
+        grad_y, row_dot = expert_row_grads(spread, y, routing.recv_pos, entry_weights)
+        if weights is None:
+            return grad_y, None, None, None, None, None
+        grad_weights = scatter_entry_values(row_dot, routing.recv_pos).view(weights.shape)
+        return grad_y, grad_weights, None, None, None, None
+
+
+def permute_with_grad(backend: Backend, rows: torch.Tensor, routing: Routing, expert_offsets: torch.Tensor,
+                      tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    """``backend.permute`` recorded on the autograd tape (its backward: an unweighted unpermute)."""
+    return _Permute.apply(rows, backend, routing, expert_offsets, tokens_per_expert)
+
+
+def unpermute_with_grad(backend: Backend, y: torch.Tensor, weights: Optional[torch.Tensor], routing: Routing,
+                        expert_offsets: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    """``backend.unpermute`` recorded on the autograd tape: differentiable w.r.t. ``y`` and ``weights [W * M, K]``
+    (None: unweighted)."""
+    return _Unpermute.apply(y, weights, backend, routing, expert_offsets, tokens_per_expert)
 
 
 def straight_through_rows(backend: Backend, x: torch.Tensor, rows: torch.Tensor, routing: Routing) -> torch.Tensor:

@@ -31,6 +31,7 @@ __all__ = [
     "DTYPES",
     "DISPATCH_DTYPES",
     "EXPERT_IMPLS",
+    "RECEIVE_LAYOUTS",
     "Config",
     "VmmConfig",
     "NvshmemConfig",
@@ -43,6 +44,7 @@ __all__ = [
 
 BACKENDS = ("auto",) + backend_table.BACKEND_NAMES
 EXPERT_IMPLS = ("auto", "grouped_mm", "loop")
+RECEIVE_LAYOUTS = ("expert_major", "token_major")
 DISPATCH_DTYPES = ("float8_e4m3fn",)
 ROUTER_SCORES = ("softmax", "sigmoid")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -263,6 +265,14 @@ class Config:
         refuse to build gradients through their experts with it off; the ``reference`` and
         ``nccl`` backends fill those rows with 0xFF bytes (NaN in every row format) so that a
         consumer that reads them shows.
+    receive_layout: what ``Dispatcher.dispatch`` returns. ``expert_major`` (the decode path): rows grouped
+        by local expert, aligned, ready for ``torch._grouped_mm``; the comm kernels write every kept
+        (token, expert) row. ``token_major``: each arriving token once per rank (``[W * M, H]``,
+        rank-major slab rows, with its local expert ids and weights); ``Dispatcher.permute`` then
+        builds the expert-major rows on the caller's stream with every SM, ``Dispatcher.unpermute``
+        reduces the experts' rows to one row per (token, rank), and ``combine`` takes those. Same bits
+        as ``expert_major``; the comm kernels move a K-th of the rows, so they need fewer SMs
+        (a small ``sm_budget`` beside the GEMMs, DeepEP normal's and Megatron's layout).
     expert_impl: how :class:`moe_comm.MoELayer` computes its local experts (the Dispatcher ignores
         it). ``grouped_mm``: two ``torch._grouped_mm`` calls on the expert-major rows and
         ``expert_offsets``; torch runs them without a host sync only with ``bfloat16`` on CUDA GPUs
@@ -318,6 +328,7 @@ class Config:
     expert_capacity: Optional[int] = None
     zero_padding: bool = True
     expert_impl: str = "auto"
+    receive_layout: str = "expert_major"
     sm_budget: Optional[int] = None
     num_senders: int = 48
     slab_copies: int = 2
@@ -348,6 +359,7 @@ class Config:
             _check_int("expert_capacity", self.expert_capacity, 1)
         _check_bool("zero_padding", self.zero_padding)
         _check_choice("expert_impl", self.expert_impl, EXPERT_IMPLS)
+        _check_choice("receive_layout", self.receive_layout, RECEIVE_LAYOUTS)
         if self.sm_budget is not None:
             _check_int("sm_budget", self.sm_budget, 1)
         _check_int("num_senders", self.num_senders, 1)
@@ -387,6 +399,11 @@ class Config:
             raise _fail("max_tokens_per_rank", self.max_tokens_per_rank,
                         f"a size that fits one rank: with hidden {self.hidden} ({self.dtype}) one rank needs at least "
                         f"{need:,} bytes (a [max_tokens_per_rank, hidden] slab and a dispatch output), over {where}")
+
+    @property
+    def token_major(self) -> bool:
+        """Whether ``receive_layout`` is ``token_major``."""
+        return self.receive_layout == "token_major"
 
     @property
     def torch_dtype(self) -> torch.dtype:

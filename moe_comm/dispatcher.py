@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass
@@ -15,12 +16,13 @@ from . import fp8, ops, protocol
 from .agreement import agree
 from .protocol import StatusReport
 from .routing import Routing
-from .autograd import combine_with_grad, dispatch_with_grad, straight_through_rows
+from .autograd import (combine_with_grad, dispatch_with_grad, permute_with_grad, received_weights,
+                       straight_through_rows, unpermute_with_grad)
 from .backends import host_identity, registry, resolve_backend
 from .config import Config
 from .errors import CommTimeoutError, ConfigError, DeviceStatusError, GroupFailedError, InputError, MoeCommError
 
-__all__ = ["Dispatcher", "DispatchOutput", "DispatchHandle"]
+__all__ = ["Dispatcher", "DispatchOutput", "TokenMajorOutput", "DispatchHandle"]
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _dispatcher_ids = itertools.count()
@@ -69,6 +71,44 @@ class DispatchOutput:
     handle: DispatchHandle
     x_scales: Optional[torch.Tensor] = None
     quantized_from: Optional[torch.Tensor] = None
+
+
+@dataclass(frozen=True)
+class TokenMajorOutput:
+    """The result of :meth:`Dispatcher.dispatch` with the config's ``receive_layout`` ``token_major``
+    (tensors on the dispatcher's device; ``W`` ranks, ``M = max_tokens_per_rank``, ``L`` local experts).
+
+    x: ``[W * M, H]`` each arrived token once, rank-major: row ``s * M + t`` holds token ``t`` of rank ``s``
+        wherever ``topk_idx`` of that row has an entry ``>= 0`` (rows with none are unspecified; a rank's
+        own tokens are there too). With the config's ``dispatch_dtype``: e4m3, and ``x_scales``
+        ``[W * M, H / 128]`` float32, both views of ``rows`` (as :class:`DispatchOutput`'s).
+    topk_idx: ``[W * M, K]`` int32, the local expert (``[0, L)``) of each entry kept on this rank, -1 for the
+        others (experts of other ranks, no expert, dropped over ``expert_capacity``).
+    topk_weights: ``[W * M, K]`` float32, the router weight of each entry (meaningful where ``topk_idx >= 0``);
+        differentiable with respect to dispatch's ``topk_weights`` (:meth:`Dispatcher.unpermute` applies them).
+    expert_offsets, tokens_per_expert: ``[L]`` int32, the segments :meth:`Dispatcher.permute` lays out.
+    handle: pass to :meth:`Dispatcher.combine` with :meth:`Dispatcher.unpermute`'s rows.
+    rows: the rows as the kernels hold them: ``x`` itself, or with FP8 the packed rows ``[W * M,
+        moe_comm.fp8.packed_row_bytes(H)]`` uint8.
+    x_scales, quantized_from: as :class:`DispatchOutput`'s.
+    """
+
+    x: torch.Tensor
+    topk_idx: torch.Tensor
+    topk_weights: torch.Tensor
+    expert_offsets: torch.Tensor
+    tokens_per_expert: torch.Tensor
+    handle: DispatchHandle
+    rows: torch.Tensor
+    x_scales: Optional[torch.Tensor] = None
+    quantized_from: Optional[torch.Tensor] = None
+
+
+def _local_expert_ids(recv_pos: torch.Tensor, expert_offsets: torch.Tensor) -> torch.Tensor:
+    """``[W * M, K]`` int32: the local expert of each kept entry (the segment its row lies in), -1 elsewhere."""
+    positions = recv_pos.reshape(-1, recv_pos.shape[-1])
+    experts = torch.searchsorted(expert_offsets, positions, right=True).to(torch.int32)
+    return torch.where(positions >= 0, experts, torch.full_like(experts, -1))
 
 
 def _misaligned(tensor: torch.Tensor) -> bool:
@@ -225,7 +265,7 @@ class Dispatcher:
         return (site * 64 + batch_slice) % protocol.CALL_TAG_LIMIT
 
     def dispatch(self, x: Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]], topk_idx: torch.Tensor,
-                 topk_weights: torch.Tensor, *, call_tag: int = 0) -> DispatchOutput:
+                 topk_weights: torch.Tensor, *, call_tag: int = 0) -> Union[DispatchOutput, "TokenMajorOutput"]:
         """Send every token to the ranks holding its experts and lay the rows out expert-major.
 
         Args:
@@ -243,7 +283,10 @@ class Dispatcher:
 
         Returns:
             A :class:`DispatchOutput`; differentiable with respect to ``x`` (FP8 dispatch: through
-            :meth:`dequantize`, whose rows' backward is the config-dtype one of a plain dispatch).
+            :meth:`dequantize`, whose rows' backward is the config-dtype one of a plain dispatch). With the
+            config's ``receive_layout`` ``token_major`` a :class:`TokenMajorOutput` (each arrived token once:
+            :meth:`permute` lays it out expert-major), differentiable with respect to ``x`` and, through its
+            ``topk_weights``, ``topk_weights``.
         """
         backend = self._live_backend()
         cfg = self.config
@@ -258,16 +301,34 @@ class Dispatcher:
                              f"(float8_e4m3fn); this config dispatches {cfg.dtype} rows")
         _check_rows("x", x, None, cfg.hidden, (cfg.torch_dtype,), self.device, cfg.dtype, vector_rows=True)
         self._check_routing(x.shape[0], topk_idx, topk_weights)
+        weights = None
         if torch.compiler.is_compiling():
             result = ops.dispatch(self._id, x, topk_idx, topk_weights)
-        elif torch.is_grad_enabled() and x.requires_grad:
-            result = dispatch_with_grad(backend, x, topk_idx, topk_weights)
+        elif torch.is_grad_enabled() and (x.requires_grad or (cfg.token_major and topk_weights.requires_grad)):
+            result, weights = dispatch_with_grad(backend, x, topk_idx, topk_weights)
         else:
             result = backend.dispatch(x, topk_idx, topk_weights)
         handle = DispatchHandle(self._id, result.routing, topk_weights)
         if cfg.check_every_step:
             self.check()
+        if cfg.token_major:
+            return self._token_major_output(result, handle, result.x, weights)
         return DispatchOutput(result.x, result.expert_offsets, result.tokens_per_expert, handle)
+
+    def _token_major_output(self, result, handle: DispatchHandle, rows: torch.Tensor, weights: Optional[torch.Tensor],
+                            x_scales: Optional[torch.Tensor] = None,
+                            quantized_from: Optional[torch.Tensor] = None) -> "TokenMajorOutput":
+        """A token-major dispatch's output: ``rows`` (``result.x``, or FP8's packed rows), ``result.x`` as ``x``
+        (FP8: the e4m3 view, with ``x_scales``), the local expert ids, and the received weights (``weights``
+        when autograd recorded them already)."""
+        routing = result.routing
+        if weights is None and torch.compiler.is_compiling():
+            weights = routing.recv_weight.view(self._backend.num_slab_rows, self.config.topk)  # the op's autograd
+        elif weights is None:
+            weights = received_weights(self._backend, handle.topk_weights, routing)
+        return TokenMajorOutput(result.x, _local_expert_ids(routing.recv_pos, result.expert_offsets), weights,
+                                result.expert_offsets, result.tokens_per_expert, handle, rows, x_scales,
+                                quantized_from)
 
     def _check_routing(self, num_tokens: int, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> None:
         cfg = self.config
@@ -306,6 +367,9 @@ class Dispatcher:
         handle = DispatchHandle(self._id, result.routing, topk_weights)
         if cfg.check_every_step:
             self.check()
+        if cfg.token_major:
+            unpacked = dataclasses.replace(result, x=out_x)
+            return self._token_major_output(unpacked, handle, result.x, None, out_scales, quantized_from)
         return DispatchOutput(out_x, result.expert_offsets, result.tokens_per_expert, handle, out_scales,
                               quantized_from)
 
@@ -385,18 +449,92 @@ class Dispatcher:
             return rows
         return straight_through_rows(self._live_backend(), quantized_from, rows, out.handle.routing)
 
+    def permute(self, out: "TokenMajorOutput") -> DispatchOutput:
+        """The expert-major rows of a token-major dispatch (the config's ``receive_layout`` ``token_major``).
+
+        Local (no rank takes part), on the current stream with every SM of the device (``sm_budget`` bounds
+        only the communication): each kept entry's row becomes its token's row, laid out exactly as an
+        expert-major dispatch lays it out (same ``expert_offsets``, alignment, zero padding, FP8 rows), so
+        experts written for :class:`DispatchOutput` run unchanged. Differentiable with respect to
+        ``out.x``: the backward is an unweighted :meth:`unpermute`.
+
+        Args:
+            out: the :class:`TokenMajorOutput` of a dispatch of this Dispatcher.
+
+        Returns:
+            A :class:`DispatchOutput` (``x [capacity_rows, H]``; its handle is ``out.handle``).
+        """
+        backend = self._live_backend()
+        self._check_token_major("out", out)
+        routing = out.handle.routing
+        if torch.compiler.is_compiling():
+            rows = ops.permute(self._id, out.rows, routing, out.expert_offsets, out.tokens_per_expert)
+        elif torch.is_grad_enabled() and out.rows.requires_grad:
+            rows = permute_with_grad(backend, out.rows, routing, out.expert_offsets, out.tokens_per_expert)
+        else:
+            rows = backend.permute(out.rows, routing, out.expert_offsets, out.tokens_per_expert)
+        x, x_scales = (rows, None) if out.x_scales is None else fp8.unpack(rows, self.config.hidden)
+        return DispatchOutput(x, out.expert_offsets, out.tokens_per_expert, out.handle, x_scales, out.quantized_from)
+
+    def unpermute(self, y: torch.Tensor, out: "TokenMajorOutput", *, weighted: bool = True) -> torch.Tensor:
+        """Reduce the experts' rows to one row per arrived token: the rows :meth:`combine` takes (token-major).
+
+        Local, on the current stream with every SM: for each row ``g`` of ``out.x`` with a kept entry,
+        ``dtype(sum over its kept entries k, increasing, of out.topk_weights[g, k] * y[row of (g, k)])`` in
+        float32, a separately rounded multiply and add (``weighted`` False: weight 1, for experts that
+        applied the router weights themselves). These are the partial sums an expert-major combine
+        computes, so ``combine(unpermute(y, out), out.handle)`` is bitwise ``combine(y, handle)`` of the
+        expert-major path. Differentiable with respect to ``y`` and ``out.topk_weights``.
+
+        Args:
+            y: ``[capacity_rows, H]`` expert outputs in :meth:`permute`'s layout, config dtype, contiguous.
+            out: the :class:`TokenMajorOutput` that was permuted.
+
+        Returns:
+            ``[W * M, H]`` in the config dtype; rows without a kept entry are unspecified (combine reads none).
+        """
+        backend = self._live_backend()
+        cfg = self.config
+        self._check_token_major("out", out)
+        _check_rows("y", y, self.capacity_rows, cfg.hidden, (cfg.torch_dtype,), self.device, cfg.dtype,
+                    vector_rows=True)
+        _check_rows("out.topk_weights", out.topk_weights, backend.num_slab_rows, cfg.topk, (torch.float32,),
+                    self.device, "float32")
+        routing = out.handle.routing
+        weights = out.topk_weights if weighted else None
+        segments = (out.expert_offsets, out.tokens_per_expert)
+        if torch.compiler.is_compiling():
+            return ops.unpermute(self._id, y, weights, routing, *segments)
+        if torch.is_grad_enabled() and (y.requires_grad or (weights is not None and weights.requires_grad)):
+            return unpermute_with_grad(backend, y, weights, routing, *segments)
+        return backend.unpermute(y, routing, weights)
+
+    def _check_token_major(self, name: str, out) -> None:
+        if not self.config.token_major:
+            raise ConfigError(
+                f"{name}: permute and unpermute belong to the token-major layout; this Dispatcher's config has "
+                f"receive_layout {self.config.receive_layout!r} (set receive_layout: token_major)"
+            )
+        if not isinstance(out, TokenMajorOutput):
+            raise InputError(f"{name}: expected the TokenMajorOutput of a dispatch call, got {type(out).__name__}")
+        if out.handle.dispatcher_id != self._id:
+            raise InputError(f"{name}: it comes from another Dispatcher; use the dispatcher that dispatched")
+
     def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Bring expert outputs back to their tokens and sum them with the router weights.
 
         Args:
-            y: ``[capacity_rows, H]`` expert outputs in ``out.x``'s layout, config dtype, contiguous.
+            y: ``[capacity_rows, H]`` expert outputs in ``out.x``'s layout, config dtype, contiguous. With the
+                config's ``receive_layout`` ``token_major``: ``[W * M, H]``, the rows :meth:`unpermute`
+                reduced (the weights were applied there).
             handle: ``out.handle`` of a dispatch call of this dispatcher.
 
         Returns:
             ``[T, H]`` with ``z[t] = sum_k topk_weights[t, k] * y[row of (t, k)]`` (zeros for a
-            token with no valid expert); differentiable with respect to ``y`` and ``topk_weights``.
-            Weights and rows are used as given: a NaN or infinite one of a kept assignment reaches
-            ``z[t]`` as it would the dense sum (checking them would cost a host sync per call).
+            token with no valid expert); differentiable with respect to ``y`` and ``topk_weights``
+            (token-major: with respect to ``y``). Weights and rows are used as given: a NaN or infinite
+            one of a kept assignment reaches ``z[t]`` as it would the dense sum (checking them would
+            cost a host sync per call).
         """
         backend = self._live_backend()
         cfg = self.config
@@ -404,12 +542,12 @@ class Dispatcher:
             raise InputError(f"handle: expected the DispatchHandle of a dispatch call, got {type(handle).__name__}")
         if handle.dispatcher_id != self._id:
             raise InputError("handle: it comes from another Dispatcher; combine with the dispatcher that dispatched")
-        _check_rows("y", y, self.capacity_rows, cfg.hidden, (cfg.torch_dtype,), self.device, cfg.dtype,
-                    vector_rows=True)
+        rows = backend.num_slab_rows if cfg.token_major else self.capacity_rows
+        _check_rows("y", y, rows, cfg.hidden, (cfg.torch_dtype,), self.device, cfg.dtype, vector_rows=True)
         weights = handle.topk_weights
         if torch.compiler.is_compiling():
             z = ops.combine(self._id, y, weights, handle.routing)
-        elif torch.is_grad_enabled() and (y.requires_grad or weights.requires_grad):
+        elif torch.is_grad_enabled() and (y.requires_grad or (weights.requires_grad and not cfg.token_major)):
             z = combine_with_grad(backend, y, weights, handle.routing)
         else:
             z = backend.combine(y, handle.routing, weighted=True)

@@ -114,7 +114,9 @@ def pack(x_fp8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     packed = torch.empty((tokens, packed_row_bytes(hidden)), dtype=torch.uint8, device=x_fp8.device)
     scale_end = hidden + _scale_bytes(hidden)
     packed[:, :hidden] = x_fp8.view(torch.uint8)
-    packed[:, hidden:scale_end] = scales.contiguous().view(torch.uint8)
+    # Flattened first: a [T, 1] tensor may carry a stride of 0 in its unit dimension, which .contiguous() keeps
+    # and a byte view refuses (H = 128).
+    packed[:, hidden:scale_end] = scales.reshape(-1).view(torch.uint8).view(tokens, scale_end - hidden)
     packed[:, scale_end:] = 0
     return packed
 

@@ -23,7 +23,9 @@ __all__ = ["Backend", "DispatchResult", "host_identity"]
 class DispatchResult:
     """What a backend's dispatch returns (tensors on the backend's device).
 
-    x: ``[capacity_rows, H]`` expert-major rows. expert_offsets, tokens_per_expert: ``[L]`` int32.
+    x: ``[capacity_rows, H]`` expert-major rows, or with the config's ``receive_layout`` ``token_major``
+        ``[W * M, H]`` token-major rows (:meth:`Backend.permute`'s input).
+    expert_offsets, tokens_per_expert: ``[L]`` int32 (the expert-major segments in either layout).
     routing: kept by the handle for combine and backward.
     """
 
@@ -51,6 +53,10 @@ class Backend(abc.ABC):
         self.num_local_experts = config.num_local_experts(self.world_size)
         self.capacity_rows = config.capacity_rows(self.world_size)
         self.status = protocol.new_status(device)
+        # Config.receive_layout token_major: dispatch and redispatch return token-major rows [W * M, ...]
+        # and combine takes rows reduced per slab row (unpermute's), [W * M, H].
+        self.token_major = config.token_major
+        self.num_slab_rows = self.world_size * config.max_tokens_per_rank
         # Dispatch/redispatch calls the constructor made itself (a warm-up): the status word's call
         # numbers count them, the user's calls come after.
         self.warm_up_calls = 0
@@ -112,11 +118,34 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def redispatch(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """Send ``x [T, H]`` along an existing routing; returns the unweighted ``[capacity_rows, H]`` expansion."""
+        """Send ``x [T, H]`` along an existing routing; returns the unweighted ``[capacity_rows, H]`` expansion
+        (token-major: the ``[W * M, H]`` rows, each slab row with a kept entry once; the others unspecified)."""
 
     @abc.abstractmethod
     def combine(self, y: torch.Tensor, routing: Routing, weighted: bool = True) -> torch.Tensor:
-        """Return ``[T, H]``: per token, the sum of its entries' rows of ``y``, times their weights if ``weighted``."""
+        """Return ``[T, H]``: per token, the sum of its entries' rows of ``y``, times their weights if ``weighted``.
+
+        Token-major: ``y [W * M, H]`` holds each slab row's partial already (:meth:`unpermute`'s), and ``z[t]``
+        is the sum of the partials of its ranks in rank order (``weighted`` plays no part; a slab row with no
+        kept entry counts as zeros, whatever it holds), bitwise the expert-major combine of the same rows.
+        """
+
+    @abc.abstractmethod
+    def permute(self, rows: torch.Tensor, routing: Routing, expert_offsets: torch.Tensor,
+                tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """Token-major rows ``[W * M, R]`` (config dtype, or packed FP8 rows uint8) -> the expert-major
+        ``[capacity_rows, R]`` rows along ``routing.recv_pos``: local, on the current stream.
+
+        Each kept entry's row is its slab row's; with the config's ``zero_padding`` the segments' padding
+        rows (``expert_offsets``, ``tokens_per_expert [L]`` int32) are zeros; rows at or past
+        ``expert_offsets[-1]`` are unspecified. Bitwise what an expert-major dispatch writes.
+        """
+
+    @abc.abstractmethod
+    def unpermute(self, y: torch.Tensor, routing: Routing, weights: Optional[torch.Tensor]) -> torch.Tensor:
+        """Expert-major rows ``y [capacity_rows, H]`` (config dtype) -> ``[W * M, H]``: each slab row with a kept
+        entry gets ``dtype(sum over kept k, increasing, of w_k * y[recv_pos[g, k]])`` in float32 (the partial
+        an expert-major combine sends; ``weights [W * M, K]`` float32, None for 1); other rows unspecified."""
 
     @abc.abstractmethod
     def return_entry_values(self, row_vector: torch.Tensor, routing: Routing) -> torch.Tensor:

@@ -266,8 +266,15 @@ class CollectiveBackend(Backend):
             recv_expert, self.num_local_experts, cfg.expert_alignment, cfg.expert_capacity, self.status, self._call
         )
         routing = Routing(num_tokens, send_mask, dest_rank, plan.recv_pos, recv_weight)
-        out_x = expand_rows(recv_rows, plan.recv_pos, self.capacity_rows, cfg.zero_padding)
-        return DispatchResult(out_x, plan.expert_offsets, plan.tokens_per_expert, routing)
+        return DispatchResult(self._received_rows(recv_rows, plan.recv_pos), plan.expert_offsets,
+                              plan.tokens_per_expert, routing)
+
+    def _received_rows(self, recv_rows: torch.Tensor, recv_pos: torch.Tensor) -> torch.Tensor:
+        """What dispatch and redispatch return of the received slabs ``[W, M, R]``: their rows ``[W * M, R]``
+        (token-major), or the expert-major ``[capacity_rows, R]`` expansion along ``recv_pos``."""
+        if self.token_major:
+            return recv_rows.reshape(self.num_slab_rows, recv_rows.shape[-1])
+        return expand_rows(recv_rows, recv_pos, self.capacity_rows, self.config.zero_padding)
 
     def _check_call_tags(self, peer_tags: torch.Tensor) -> None:
         """Record the first peer whose paired call carried another tag than this call's (on the device, no sync).
@@ -287,13 +294,28 @@ class CollectiveBackend(Backend):
     def redispatch(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         self._call.add_(1)
         recv_rows = self._send_tokens(x, routing.send_mask, "redispatch: all_to_all_single of token rows")
-        return expand_rows(recv_rows, routing.recv_pos, self.capacity_rows, self.config.zero_padding)
+        return self._received_rows(recv_rows, routing.recv_pos)
 
     def combine(self, y: torch.Tensor, routing: Routing, weighted: bool = True) -> torch.Tensor:
-        weights = routing.recv_weight if weighted else None
-        partials = reduce_partials(y, routing.recv_pos, weights)
+        if self.token_major:
+            # A slab row whose entries were all dropped sends zeros, as the expert-major partial of no row.
+            kept = (routing.recv_pos >= 0).any(dim=-1, keepdim=True)
+            partials = torch.where(kept, y.view(routing.recv_pos.shape[:2] + (y.shape[-1],)), torch.zeros_like(y[:1]))
+        else:
+            partials = reduce_partials(y, routing.recv_pos, routing.recv_weight if weighted else None)
         returned = self._exchange(partials, "combine: all_to_all_single of partial sums")
         return sum_returned(returned, routing.send_mask)
+
+    def permute(self, rows: torch.Tensor, routing: Routing, expert_offsets: torch.Tensor,
+                tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        del expert_offsets, tokens_per_expert  # expand_rows fills every row no kept entry maps to
+        slabs = rows.view(routing.recv_pos.shape[:2] + (rows.shape[-1],))
+        return expand_rows(slabs, routing.recv_pos, self.capacity_rows, self.config.zero_padding)
+
+    def unpermute(self, y: torch.Tensor, routing: Routing, weights: Optional[torch.Tensor]) -> torch.Tensor:
+        shape = routing.recv_pos.shape
+        partials = reduce_partials(y, routing.recv_pos, None if weights is None else weights.view(shape))
+        return partials.reshape(self.num_slab_rows, y.shape[-1])
 
     def return_entry_values(self, row_vector: torch.Tensor, routing: Routing) -> torch.Tensor:
         entry_values = scatter_entry_values(row_vector, routing.recv_pos)
