@@ -8,6 +8,9 @@ from the backend's config alone, and autograd is registered on the ops with the 
 (:mod:`moe_comm.autograd`), so a compiled model differentiates through dispatch and combine, and
 through FP8 dispatch's dequantized rows (``dispatch_fp8``, ``dequantize_fp8``: straight through).
 
+The token-major layout (``Config.receive_layout``) adds ``permute`` and ``unpermute``; there dispatch's
+received weights (its last output) are differentiable, and combine's backward is a redispatch alone.
+
 Eager calls do not come here: ``Dispatcher`` calls its backend directly unless
 ``torch.compiler.is_compiling()``, because an op call costs host time (the dispatcher's
 boxing) that decode loops would pay on every call. Both paths run the same backend methods.
@@ -24,13 +27,14 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .autograd import combine_backward, kernel_rows
+from .autograd import combine_backward, expert_row_grads, kernel_rows
 from .backends.base import Backend, DispatchResult
 from .errors import MoeCommError
 from .fp8 import packed_row_bytes
-from .routing import Routing
+from .routing import Routing, row_values, scatter_entry_values
 
-__all__ = ["register_backend", "unregister_backend", "dispatch", "combine", "dispatch_fp8", "dequantize_fp8"]
+__all__ = ["register_backend", "unregister_backend", "dispatch", "combine", "dispatch_fp8", "dequantize_fp8",
+           "permute", "unpermute"]
 
 _backends: dict[int, Backend] = {}
 
@@ -88,8 +92,9 @@ def _dispatch_fake(x, topk_idx, topk_weights, dispatcher_id):
     tokens = x.shape[0]
     slab = (backend.world_size, cfg.max_tokens_per_rank, cfg.topk)
     local = backend.num_local_experts
+    rows = backend.num_slab_rows if backend.token_major else backend.capacity_rows
     return (
-        x.new_empty((backend.capacity_rows, cfg.hidden)),
+        x.new_empty((rows, cfg.hidden)),
         x.new_empty((local,), dtype=torch.int32),
         x.new_empty((local,), dtype=torch.int32),
         x.new_empty((tokens, backend.world_size), dtype=torch.bool),
@@ -99,23 +104,50 @@ def _dispatch_fake(x, topk_idx, topk_weights, dispatcher_id):
     )
 
 
-def _dispatch_setup(ctx, inputs, output) -> None:
-    ctx.dispatcher_id = inputs[3]
-    ctx.mark_non_differentiable(*output[1:])
+def _mark_outputs(ctx, output, dispatcher_id: int) -> None:
+    """Dispatch's outputs: all but its rows non-differentiable, and its received weights (the last) too unless
+    the layout is token-major (where unpermute applies them); saves the routing tensors."""
+    ctx.dispatcher_id = dispatcher_id
+    ctx.token_major = _backend(dispatcher_id).token_major
+    ctx.mark_non_differentiable(*output[1:-1] if ctx.token_major else output[1:])
     ctx.save_for_backward(*output[3:])
 
 
-def _rows_grad_to_tokens(ctx, grad_rows: Tensor) -> Tensor:
-    """Dispatch's backward through the ops: the rows' gradients go back to their tokens and are
-    summed there (an unweighted combine along the routing tensors ``ctx`` saved)."""
+def _dispatch_setup(ctx, inputs, output) -> None:
+    _mark_outputs(ctx, output, inputs[3])
+
+
+def _unweighted_combine(ctx, rows: Tensor) -> Tensor:
+    """The unweighted combine of ``rows`` in the layout combine takes, along the routing tensors ``ctx`` saved."""
     send_mask, dest_rank, recv_pos, recv_weight = ctx.saved_tensors
     return torch.ops.moe_comm.combine(
-        grad_rows.contiguous(), None, send_mask, dest_rank, recv_pos, recv_weight, ctx.dispatcher_id, False
+        rows.contiguous(), None, send_mask, dest_rank, recv_pos, recv_weight, ctx.dispatcher_id, False
     )
 
 
-def _dispatch_backward(ctx, grad_rows, *_unused):
-    return _rows_grad_to_tokens(ctx, grad_rows), None, None, None
+def _rows_grad_to_tokens(ctx, grad_rows: Tensor) -> Tensor:
+    """The expert-major rows' gradients back to their tokens, summed there (token-major: reduced per slab
+    row first, permute's backward)."""
+    if ctx.token_major:
+        grad_rows = torch.ops.moe_comm.unpermute(grad_rows.contiguous(), ctx.saved_tensors[2], None, ctx.dispatcher_id)
+    return _unweighted_combine(ctx, grad_rows)
+
+
+def _weights_grad_to_assignments(ctx, grad_weights: Optional[Tensor]) -> Optional[Tensor]:
+    """Token-major: the received weights' gradients ``[W * M, K]`` back to the sources' assignments ``[T, K]``."""
+    if not ctx.token_major:
+        return None
+    send_mask, dest_rank, recv_pos, recv_weight = ctx.saved_tensors
+    entries = torch.zeros_like(recv_weight) if grad_weights is None else grad_weights.reshape(recv_pos.shape)
+    row_vector = row_values(recv_pos, entries, _backend(ctx.dispatcher_id).capacity_rows)
+    return torch.ops.moe_comm.return_entry_values(row_vector, send_mask, dest_rank, recv_pos, recv_weight,
+                                                  ctx.dispatcher_id)
+
+
+def _dispatch_backward(ctx, grad_rows, *grads):
+    # The rows' gradients come in the layout dispatch returned (token-major rows need no unpermute).
+    grad_x = _unweighted_combine(ctx, grad_rows)
+    return grad_x, None, _weights_grad_to_assignments(ctx, grads[-1]), None
 
 
 torch.library.register_autograd("moe_comm::dispatch", _dispatch_backward, setup_context=_dispatch_setup)
@@ -154,6 +186,18 @@ def _dispatch_fp8_fake(x, x_scales, topk_idx, topk_weights, dispatcher_id):
     return (packed, *rest)
 
 
+def _dispatch_fp8_setup(ctx, inputs, output) -> None:
+    _mark_outputs(ctx, output, inputs[4])
+
+
+def _dispatch_fp8_backward(ctx, *grads):
+    # The rows reach x through dequantize_fp8 (straight through); only token-major weights have a gradient here.
+    return None, None, None, _weights_grad_to_assignments(ctx, grads[-1]), None
+
+
+torch.library.register_autograd("moe_comm::dispatch_fp8", _dispatch_fp8_backward, setup_context=_dispatch_fp8_setup)
+
+
 def dispatch_fp8(dispatcher_id: int, x: Tensor, x_scales: Optional[Tensor], topk_idx: Tensor,
                  topk_weights: Tensor) -> DispatchResult:
     """FP8 dispatch through the custom op; ``result.x`` holds the packed rows (``moe_comm.fp8.unpack``)."""
@@ -181,6 +225,7 @@ def _dequantize_fp8_fake(x_fp8, x_scales, end, quantized_from, send_mask, dest_r
 
 def _dequantize_fp8_setup(ctx, inputs, output) -> None:
     ctx.dispatcher_id = inputs[-1]
+    ctx.token_major = _backend(ctx.dispatcher_id).token_major
     ctx.save_for_backward(*inputs[4:8])
 
 
@@ -233,6 +278,10 @@ def _combine_backward(ctx, grad_z):
         raise MoeCommError("the unweighted combine is dispatch's backward; it has no backward of its own")
     y, *routing_tensors = ctx.saved_tensors
     dispatcher_id = ctx.dispatcher_id
+    if _backend(dispatcher_id).token_major:
+        # The reduced rows' gradient: each slab row's token gradient (the weights were unpermute's).
+        return (torch.ops.moe_comm.redispatch(grad_z.contiguous(), *routing_tensors, dispatcher_id),
+                None, None, None, None, None, None, None)
     routing = _routing(*routing_tensors)
     grad_y, grad_weights = combine_backward(
         grad_z, y, routing,
@@ -265,7 +314,8 @@ def _redispatch_op(
 
 @_redispatch_op.register_fake
 def _redispatch_fake(x, send_mask, dest_rank, recv_pos, recv_weight, dispatcher_id):
-    return x.new_empty((_backend(dispatcher_id).capacity_rows, x.shape[1]))
+    backend = _backend(dispatcher_id)
+    return x.new_empty((backend.num_slab_rows if backend.token_major else backend.capacity_rows, x.shape[1]))
 
 
 @torch.library.custom_op("moe_comm::return_entry_values", mutates_args=())
@@ -281,3 +331,81 @@ def _return_entry_values_op(
 @_return_entry_values_op.register_fake
 def _return_entry_values_fake(row_vector, send_mask, dest_rank, recv_pos, recv_weight, dispatcher_id):
     return row_vector.new_empty(tuple(dest_rank.shape), dtype=torch.float32)
+
+
+# ------------------------------------------------------------------------------ permute / unpermute
+
+
+@torch.library.custom_op("moe_comm::permute", mutates_args=())
+def _permute_op(rows: Tensor, recv_pos: Tensor, expert_offsets: Tensor, tokens_per_expert: Tensor,
+                dispatcher_id: int) -> Tensor:
+    """``[capacity_rows, R]``: token-major ``rows [W * M, R]`` laid out expert-major (``Backend.permute``)."""
+    routing = Routing(0, None, None, recv_pos, None)
+    return _backend(dispatcher_id).permute(kernel_rows(rows), routing, expert_offsets, tokens_per_expert)
+
+
+@_permute_op.register_fake
+def _permute_fake(rows, recv_pos, expert_offsets, tokens_per_expert, dispatcher_id):
+    return rows.new_empty((_backend(dispatcher_id).capacity_rows, rows.shape[1]))
+
+
+def _permute_setup(ctx, inputs, output) -> None:
+    ctx.dispatcher_id = inputs[-1]
+    ctx.save_for_backward(inputs[1])
+
+
+def _permute_backward(ctx, grad_rows):
+    (recv_pos,) = ctx.saved_tensors
+    grad = torch.ops.moe_comm.unpermute(grad_rows.contiguous(), recv_pos, None, ctx.dispatcher_id)
+    return grad, None, None, None, None
+
+
+torch.library.register_autograd("moe_comm::permute", _permute_backward, setup_context=_permute_setup)
+
+
+@torch.library.custom_op("moe_comm::unpermute", mutates_args=())
+def _unpermute_op(y: Tensor, recv_pos: Tensor, weights: Optional[Tensor], dispatcher_id: int) -> Tensor:
+    """``[W * M, H]``: the expert rows ``y [capacity_rows, H]`` reduced per slab row (``Backend.unpermute``)."""
+    routing = Routing(0, None, None, recv_pos, None)
+    return _backend(dispatcher_id).unpermute(kernel_rows(y), routing, weights)
+
+
+@_unpermute_op.register_fake
+def _unpermute_fake(y, recv_pos, weights, dispatcher_id):
+    return y.new_empty((_backend(dispatcher_id).num_slab_rows, y.shape[1]))
+
+
+def _unpermute_setup(ctx, inputs, output) -> None:
+    y, recv_pos, weights, dispatcher_id = inputs
+    ctx.dispatcher_id = dispatcher_id
+    ctx.weighted = weights is not None
+    ctx.save_for_backward(y, recv_pos, weights)
+
+
+def _unpermute_backward(ctx, grad_partials):
+    y, recv_pos, weights = ctx.saved_tensors
+    backend = _backend(ctx.dispatcher_id)
+    # Padding rows of the spread are masked below, so the segments permute would zero are not needed.
+    no_segments = recv_pos.new_zeros(backend.num_local_experts)
+    spread = torch.ops.moe_comm.permute(grad_partials.contiguous(), recv_pos, no_segments, no_segments,
+                                        ctx.dispatcher_id)
+    entry_weights = weights.view(recv_pos.shape) if ctx.weighted else torch.ones(recv_pos.shape, device=y.device)
+    grad_y, row_dot = expert_row_grads(spread, y, recv_pos, entry_weights)
+    grad_weights = scatter_entry_values(row_dot, recv_pos).view(weights.shape) if ctx.weighted else None
+    return grad_y, None, grad_weights, None
+
+
+torch.library.register_autograd("moe_comm::unpermute", _unpermute_backward, setup_context=_unpermute_setup)
+
+
+def permute(dispatcher_id: int, rows: Tensor, routing: Routing, expert_offsets: Tensor,
+            tokens_per_expert: Tensor) -> Tensor:
+    """``Backend.permute`` through the custom op (differentiable in ``rows``)."""
+    return torch.ops.moe_comm.permute(rows, routing.recv_pos, expert_offsets, tokens_per_expert, dispatcher_id)
+
+
+def unpermute(dispatcher_id: int, y: Tensor, weights: Optional[Tensor], routing: Routing, expert_offsets: Tensor,
+              tokens_per_expert: Tensor) -> Tensor:
+    """``Backend.unpermute`` through the custom op (differentiable in ``y`` and ``weights``)."""
+    del expert_offsets, tokens_per_expert  # unpermute reads only the entries' rows
+    return torch.ops.moe_comm.unpermute(y, routing.recv_pos, weights, dispatcher_id)

@@ -240,7 +240,7 @@ class DeviceBackend(Backend):
         cfg = self.config
         arch = driver.arch_of(self.device)
         builds = kernels.device_builds(self.dtype, cfg.hidden, cfg.topk, arch=arch, put_transport=self._put_transport,
-                                       fp8_dispatch=cfg.dispatch_dtype is not None)
+                                       fp8_dispatch=cfg.dispatch_dtype is not None, token_major=self.token_major)
         # A cold cache compiles every build at once here; the loads below then find them.
         jit.compile_many(builds, arch=arch)
         _, defines, toolchain = builds[0]
@@ -261,7 +261,9 @@ class DeviceBackend(Backend):
             return kernels.DispatchKernels(
                 self.device, row_defines, args, regions, num_experts=cfg.num_experts,
                 num_local_experts=self.num_local_experts, expert_alignment=cfg.expert_alignment,
-                expert_capacity=cfg.expert_capacity, zero_padding=cfg.zero_padding, capacity_rows=self.capacity_rows,
+                # Token-major dispatch zeroes no padding: it writes no segment (permute does).
+                expert_capacity=cfg.expert_capacity, zero_padding=cfg.zero_padding and not self.token_major,
+                capacity_rows=self.capacity_rows,
                 num_senders=cfg.num_senders, grid_sms=grid_sms, toolchain=toolchain,
             )
 
@@ -279,6 +281,14 @@ class DeviceBackend(Backend):
             self.device, defines, args, self.regions, capacity_rows=self.capacity_rows, num_senders=cfg.num_senders,
             grid_sms=grid_sms, toolchain=toolchain,
         )
+        self._permute_kernels = None
+        if self.token_major:
+            permute_defines = [row_defines for name, row_defines, _ in builds if name == "permute"]
+            self._permute_kernels = kernels.PermuteKernels(
+                self.device, permute_defines[0], permute_defines[1] if len(permute_defines) > 1 else None,
+                num_slab_rows=self.num_slab_rows, num_local_experts=self.num_local_experts,
+                expert_alignment=cfg.expert_alignment, zero_padding=cfg.zero_padding, capacity_rows=self.capacity_rows,
+            )
         self._load_fp8_codec()
 
     def _warm_up(self) -> None:
@@ -325,20 +335,38 @@ class DeviceBackend(Backend):
         expert_offsets, tokens_per_expert, routing = outputs(
             num_tokens, self.world_size, cfg.max_tokens_per_rank, cfg.topk, self.num_local_experts, device
         )
+        rows = self._received_rows
         # FP8 rows (given packed as uint8, or built on the way) go through their own build.
         if quantize or x.dtype == torch.uint8:
             launcher = self._fp8_dispatch_kernels
-            out_x = kernels.empty_rows(self.capacity_rows, self._fp8_row_bytes, torch.uint8, device)
+            out_x = kernels.empty_rows(rows, self._fp8_row_bytes, torch.uint8, device)
         else:
             launcher = self._dispatch_kernels
-            out_x = kernels.empty_rows(self.capacity_rows, x.shape[1], x.dtype, device)
+            out_x = kernels.empty_rows(rows, x.shape[1], x.dtype, device)
         launcher.dispatch(x, topk_idx, topk_weights, _addresses(routing), expert_offsets, tokens_per_expert, out_x,
                           quantize=quantize, x_scales=x_scales, call_tag=self.call_tag)
         return DispatchResult(out_x, expert_offsets, tokens_per_expert, routing)
 
+    @property
+    def _received_rows(self) -> int:
+        """Rows of what dispatch and redispatch return: one per slab row (token-major), else ``capacity_rows``."""
+        return self.num_slab_rows if self.token_major else self.capacity_rows
+
     def redispatch(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        out = kernels.empty_rows(self.capacity_rows, self.config.hidden, self.dtype, self.device)
+        out = kernels.empty_rows(self._received_rows, self.config.hidden, self.dtype, self.device)
         self._dispatch_kernels.redispatch(x, _addresses(routing), out)
+        return out
+
+    def permute(self, rows: torch.Tensor, routing: Routing, expert_offsets: torch.Tensor,
+                tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        out = kernels.empty_rows(self.capacity_rows, rows.shape[1], rows.dtype, self.device)
+        self._permute_kernels.permute(rows, _addresses(routing).recv_pos, expert_offsets, tokens_per_expert, out)
+        return out
+
+    def unpermute(self, y: torch.Tensor, routing: Routing, weights: Optional[torch.Tensor]) -> torch.Tensor:
+        out = kernels.empty_rows(self.num_slab_rows, self.config.hidden, self.dtype, self.device)
+        self._permute_kernels.unpermute(y, _addresses(routing).recv_pos, 0 if weights is None else weights.data_ptr(),
+                                        out)
         return out
 
     def combine(self, y: torch.Tensor, routing: Routing, weighted: bool = True) -> torch.Tensor:

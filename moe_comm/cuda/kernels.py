@@ -78,25 +78,30 @@ def fp8_dispatch_defines(dtype: torch.dtype, hidden: int, topk: int, *, put_tran
 
 
 def device_builds(dtype: torch.dtype, hidden: int, topk: int, *, arch: str, put_transport: bool,
-                  fp8_dispatch: bool) -> list[jit.Build]:
+                  fp8_dispatch: bool, token_major: bool = False) -> list[jit.Build]:
     """The kernel builds a device backend of rows of ``hidden`` ``dtype`` and top-``topk`` loads on ``arch``.
 
     In this order: dispatch and combine (with NVSHMEM's headers for ``put_transport``); with
     ``fp8_dispatch`` then the dispatch build for packed FP8 rows and, from compute capability 8.9
     (``FP8_KERNELS_MIN_ARCH``), the packing kernels of ``csrc/fp8.cu`` that the dispatcher's FP8
-    codec loads.
+    codec loads. ``token_major`` (``Config.receive_layout``): the dispatch and combine builds are the
+    ``TOKEN_MAJOR`` ones, and the builds of ``csrc/permute.cu`` (:func:`permute_builds`) follow.
 
     Raises:
         InputError: ``arch`` is not a real architecture of sm_80 or newer.
     """
     capability = jit.arch_capability(arch)
     toolchain = nvshmem_build.toolchain() if put_transport else jit.Toolchain()
-    defines = kernel_defines(dtype, hidden, topk, put_transport=put_transport)
+    layout = {"TOKEN_MAJOR": 1} if token_major else {}
+    defines = {**kernel_defines(dtype, hidden, topk, put_transport=put_transport), **layout}
     builds = [("dispatch", defines, toolchain), ("combine", defines, toolchain)]
     if fp8_dispatch:
-        builds.append(("dispatch", fp8_dispatch_defines(dtype, hidden, topk, put_transport=put_transport), toolchain))
+        fp8_rows = {**fp8_dispatch_defines(dtype, hidden, topk, put_transport=put_transport), **layout}
+        builds.append(("dispatch", fp8_rows, toolchain))
         if capability >= FP8_KERNELS_MIN_ARCH:
             builds.append(("fp8", fp8_defines(dtype, hidden), jit.Toolchain()))
+    if token_major:
+        builds += permute_builds(dtype, hidden, topk, arch=arch, fp8_rows=fp8_dispatch)
     return builds
 
 
@@ -114,7 +119,7 @@ def compile_for_configs(configs, arch: str) -> list:
     for config in configs:
         put = config.backend == "nvshmem" and config.nvshmem.transport == "put"
         builds += device_builds(config.torch_dtype, config.hidden, config.topk, arch=arch, put_transport=put,
-                                fp8_dispatch=config.dispatch_dtype is not None)
+                                fp8_dispatch=config.dispatch_dtype is not None, token_major=config.token_major)
     distinct = {(name, jit.canonical_defines(defines), toolchain): (name, defines, toolchain)
                 for name, defines, toolchain in builds}
     return jit.compile_many(list(distinct.values()), arch=arch)
