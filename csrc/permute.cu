@@ -56,7 +56,8 @@ __device__ __forceinline__ void for_each_kept_row_unit(RowBatch& batch, int num_
     }
 }
 
-// Four blocks an SM (at most 64 registers a thread): a block's batch loads hide behind the others' copies.
+// Four blocks an SM (at most 64 registers a thread; the builds use 50-57): a block's batch loads
+// hide behind the others' copies.
 extern "C" __global__ void __launch_bounds__(PERMUTE_THREADS, 4) permute_rows(
     int num_slab_rows, int num_local_experts, int zero_pad, int capacity_rows, const u8* __restrict__ rows,
     const i32* __restrict__ recv_pos, const i32* __restrict__ expert_offsets, const i32* __restrict__ tokens_per_expert,
@@ -84,7 +85,7 @@ extern "C" __global__ void __launch_bounds__(PERMUTE_THREADS, 4) permute_rows(
 }
 
 #if !FP8_ROWS
-// Two blocks an SM (the sum keeps COMBINE_GROUP rows' vectors in flight: ~120 registers a thread), so
+// Two blocks an SM (the sum keeps COMBINE_GROUP rows' vectors in flight: 100-116 registers a thread), so
 // a block's batch loads hide behind the other's sums. The sum's vectors per lane are combine's send
 // phase's (COMBINE_SEND_VPL, sized for that same sum's registers).
 extern "C" __global__ void __launch_bounds__(PERMUTE_THREADS, 2) unpermute_rows(

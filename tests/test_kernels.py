@@ -308,9 +308,9 @@ def test_permute_launchers_pass_the_parameters_permute_cu_declares(monkeypatch):
     source = asset_dir("csrc").joinpath("permute.cu").read_text()
     # Packed FP8 rows go to the FP8 build's permute_rows, which is all that build loads (y is never FP8).
     assert sorted(recorders) == [("permute_rows", False), ("permute_rows", True), ("unpermute_rows", False)]
-    for (entry, _), calls in (("permute_rows", False), 1), (("permute_rows", True), 1), (("unpermute_rows", False), 2):
-        recorder = recorders[(entry, _)]
-        assert recorder.launches == [_signature(source, entry)] * calls, entry
+    for key, calls in (("permute_rows", False), 1), (("permute_rows", True), 1), (("unpermute_rows", False), 2):
+        recorder = recorders[key]
+        assert recorder.launches == [_signature(source, recorder.entry)] * calls, key
         assert recorder.grids == [4 * 4] * calls, "a few blocks per SM of the whole device: no SM budget"
     # The segments of the padding in dynamic shared memory: three int32 per local expert.
     assert recorders[("permute_rows", False)].shared == [3 * 4 * (EXPERTS // WORLD)]

@@ -6,8 +6,8 @@ one launch per dispatch, redispatch or combine. ``PermuteKernels`` launches ``cs
 (``permute_rows``, ``unpermute_rows``), the token-major layout's local conversions, and
 ``Fp8PackKernels`` ``csrc/fp8.cu``. The protocol each kernel follows is stated at
 the top of its ``.cu`` file; the values it shares with this module (block shapes, chunk and layout
-sizes, the symmetric regions) are :mod:`moe_comm.protocol`'s. Both classes load every entry point
-in their constructor (compiling it through :mod:`moe_comm.cuda.jit` and loading it through
+sizes, the symmetric regions) are :mod:`moe_comm.protocol`'s. Each class loads every entry point
+in its constructor (compiling it through :mod:`moe_comm.cuda.jit` and loading it through
 :mod:`moe_comm.cuda.driver` when it is not cached), so a launcher never compiles or loads anything: it
 fills the per-call parameters of its kernel's :class:`moe_comm.cuda.kernel_params.KernelParams` (the
 fixed ones were set once) and calls ``cuLaunchKernel`` on torch's current stream, which works
@@ -498,8 +498,8 @@ class PermuteKernels:
         capacity_rows: rows of the expert-major layout.
     """
 
-    # Blocks per SM of the grid: more than fit at once (csrc/permute.cu's __launch_bounds__), so
-    # blocks that found little to do make room for others.
+    # Blocks per SM of the grid: as many as fit at once of permute_rows, twice those of unpermute_rows
+    # (csrc/permute.cu's __launch_bounds__); neither kernel has a barrier, so the rest start as blocks end.
     _BLOCKS_PER_SM = 4
 
     def __init__(self, device: torch.device, dtype: torch.dtype, hidden: int, topk: int, *, fp8_rows: bool,
