@@ -77,6 +77,7 @@ __all__ = [
     "COMBINE_THREADS",
     "COMBINE_SEND_VPL",
     "VALUES_THREADS",
+    "PERMUTE_THREADS",
     "LAYOUT_ROWS_PER_BLOCK",
     "FP8_UNIT_VPL",
     "FP8_PACK_OWN_MAX_TOKENS",
@@ -228,6 +229,7 @@ SEND_VPL = 8
 COMBINE_THREADS = 512
 COMBINE_SEND_VPL = 2
 VALUES_THREADS = 512
+PERMUTE_THREADS = 256  # permute_rows and unpermute_rows (csrc/permute.cu): several blocks an SM
 # Slab rows per layout block of dispatch: the host sizes the layout group for full slabs by it, and
 # each call ranks its rows on as many of those blocks as they fill.
 LAYOUT_ROWS_PER_BLOCK = 256
@@ -277,8 +279,8 @@ _HEADER_GROUPS = (
      ("MAX_WORLD", "MAX_TOPK", "REGION_ALIGN", "LAYOUT_SHARED_LIMIT")),
     ("Block shapes: threads per block, the send phases' vectors per lane per unit, slab rows per layout block, "
      "e4m3 vectors per lane per unit of quantized rows, the most tokens whose own rows FP8 dispatch packs first",
-     ("DISPATCH_THREADS", "SEND_VPL", "COMBINE_THREADS", "COMBINE_SEND_VPL", "VALUES_THREADS", "LAYOUT_ROWS_PER_BLOCK",
-      "FP8_UNIT_VPL", "FP8_PACK_OWN_MAX_TOKENS")),
+     ("DISPATCH_THREADS", "SEND_VPL", "COMBINE_THREADS", "COMBINE_SEND_VPL", "VALUES_THREADS", "PERMUTE_THREADS",
+      "LAYOUT_ROWS_PER_BLOCK", "FP8_UNIT_VPL", "FP8_PACK_OWN_MAX_TOKENS")),
 )
 
 # The C spelling of meta_words(TOPK): TOPK is a compile-time define of every kernel build.

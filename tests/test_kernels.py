@@ -33,7 +33,7 @@ _CUDA_INTEGER_SIZES = {"int": 4, "i32": 4, "u32": 4, "i64": 8, "u64": 8}
 def _parameters(source: str, entry: str) -> list[str]:
     """The declarations of the parameters of ``extern "C"`` kernel ``entry`` in ``source`` (a list
     given as one macro, as the dispatch kernels share theirs, is the macro's body)."""
-    match = re.search(r'extern "C" __global__ void (?:__launch_bounds__\(\w+\) )?' + entry + r"\(([^)]*)\)", source)
+    match = re.search(r'extern "C" __global__ void (?:__launch_bounds__\([\w, ]+\) )?' + entry + r"\(([^)]*)\)", source)
     assert match, f"no extern \"C\" kernel {entry}"
     declared = match.group(1).strip()
     macro = re.search(r"#define " + re.escape(declared) + r"\b((?:[^\n]*\\\n)*[^\n]*)", source)
@@ -271,3 +271,85 @@ def test_empty_rows_is_a_contiguous_matrix(dtype):
     assert rows.shape == (3, 5) and rows.stride() == (5, 1) and rows.dtype == dtype
     assert rows.is_contiguous() and rows.device == torch.device("cpu")
     assert kernels.empty_rows(0, 7, dtype, torch.device("cpu")).shape == (0, 7)
+
+
+def _permute_launchers(monkeypatch, *, fp8_rows: bool, zero_padding: bool = True):
+    """PermuteKernels for rows of HIDDEN bf16 over recording stand-ins on a 4-SM device; returns it and
+    (entry, whether its build is the packed FP8 rows') -> recorder."""
+    from types import SimpleNamespace
+
+    recorders = {}
+
+    def load(device, name, entry, defines={}, **_):
+        assert name == "permute"
+        return recorders.setdefault((entry, defines.get("FP8_ROWS") == 1), _Recorder(name, entry))
+
+    monkeypatch.setattr(driver, "load_function", load)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=4))
+    launchers = kernels.PermuteKernels(torch.device("cpu"), torch.bfloat16, HIDDEN, TOPK, fp8_rows=fp8_rows,
+                                       num_slab_rows=WORLD * MAX_TOKENS, num_local_experts=EXPERTS // WORLD,
+                                       zero_padding=zero_padding, capacity_rows=64)
+    return launchers, recorders
+
+
+def test_permute_launchers_pass_the_parameters_permute_cu_declares(monkeypatch):
+    from moe_comm import fp8
+
+    launchers, recorders = _permute_launchers(monkeypatch, fp8_rows=True)
+    recv_pos, weights = torch.zeros(WORLD * MAX_TOKENS, TOPK, dtype=torch.int32), torch.zeros(WORLD * MAX_TOKENS, TOPK)
+    counts = torch.zeros(EXPERTS // WORLD, dtype=torch.int32)
+    rows = torch.zeros(WORLD * MAX_TOKENS, HIDDEN, dtype=torch.bfloat16)
+    packed = torch.zeros(WORLD * MAX_TOKENS, fp8.packed_row_bytes(HIDDEN), dtype=torch.uint8)
+    out = torch.zeros(64, HIDDEN, dtype=torch.bfloat16)
+    launchers.permute(rows, recv_pos.data_ptr(), counts, counts, out)
+    launchers.permute(packed, recv_pos.data_ptr(), counts, counts, out)
+    launchers.unpermute(out, recv_pos.data_ptr(), weights.data_ptr(), rows)
+    launchers.unpermute(out, recv_pos.data_ptr(), 0, rows)
+    source = asset_dir("csrc").joinpath("permute.cu").read_text()
+    # Packed FP8 rows go to the FP8 build's permute_rows, which is all that build loads (y is never FP8).
+    assert sorted(recorders) == [("permute_rows", False), ("permute_rows", True), ("unpermute_rows", False)]
+    for key, calls in (("permute_rows", False), 1), (("permute_rows", True), 1), (("unpermute_rows", False), 2):
+        recorder = recorders[key]
+        assert recorder.launches == [_signature(source, recorder.entry)] * calls, key
+        assert recorder.grids == [4 * 4] * calls, "a few blocks per SM of the whole device: no SM budget"
+    # The segments of the padding in dynamic shared memory: three int32 per local expert.
+    assert recorders[("permute_rows", False)].shared == [3 * 4 * (EXPERTS // WORLD)]
+    unweighted = recorders[("unpermute_rows", False)].values[1]
+    assert unweighted[_parameter_index("permute", "unpermute_rows", "recv_weight")] == 0
+    assert recorders[("unpermute_rows", False)].values[0][:4] == [WORLD * MAX_TOKENS, 64, out.data_ptr(),
+                                                                  recv_pos.data_ptr()]
+    without_padding = _permute_launchers(monkeypatch, fp8_rows=False, zero_padding=False)
+    without_padding[0].permute(rows, recv_pos.data_ptr(), counts, counts, out)
+    permute = without_padding[1][("permute_rows", False)]
+    assert permute.shared == [0] and permute.values[0][_parameter_index("permute", "permute_rows", "zero_pad")] == 0
+
+
+def test_permute_launchers_refuse_rows_of_another_dtype(monkeypatch):
+    from moe_comm.errors import InputError
+
+    launchers, recorders = _permute_launchers(monkeypatch, fp8_rows=False)
+    recv_pos = torch.zeros(WORLD * MAX_TOKENS, TOPK, dtype=torch.int32).data_ptr()
+    counts = torch.zeros(EXPERTS // WORLD, dtype=torch.int32)
+    out = torch.zeros(64, HIDDEN, dtype=torch.bfloat16)
+    with pytest.raises(InputError, match=r"rows: got dtype torch.uint8, .*fp8_rows=True"):
+        launchers.permute(torch.zeros(WORLD * MAX_TOKENS, 128, dtype=torch.uint8), recv_pos, counts, counts, out)
+    with pytest.raises(InputError, match="rows: got dtype torch.float32, expected torch.bfloat16"):
+        launchers.permute(torch.zeros(WORLD * MAX_TOKENS, HIDDEN), recv_pos, counts, counts, out)
+    with pytest.raises(InputError, match="y: got dtype torch.float16, expected the config's torch.bfloat16"):
+        launchers.unpermute(out.half(), recv_pos, 0, out)
+    assert not any(recorder.launches for recorder in recorders.values()), "validated before any launch"
+
+
+def test_permute_builds_compile_for_sm90(nvrtc, cache):
+    """Both builds of csrc/permute.cu compile with NVRTC (on a CPU host; one compile_many): the rows
+    of the config dtype with both entry points, the packed FP8 rows with permute_rows only."""
+    from moe_comm.cuda import jit
+
+    builds = kernels.permute_builds(torch.bfloat16, 2048, 6, fp8_rows=True)
+    assert builds == [("permute", kernels.kernel_defines(torch.bfloat16, 2048, 6), jit.Toolchain()),
+                      ("permute", kernels.fp8_dispatch_defines(torch.bfloat16, 2048, 6), jit.Toolchain())]
+    assert kernels.permute_builds(torch.bfloat16, 2048, 6, fp8_rows=False) == builds[:1]
+    plain, packed = (path.read_bytes() for path in jit.compile_many(builds, arch="sm_90"))
+    assert plain[:4] == packed[:4] == b"\x7fELF"
+    assert b"permute_rows" in plain and b"unpermute_rows" in plain
+    assert b"permute_rows" in packed and b"unpermute_rows" not in packed

@@ -2,10 +2,12 @@
 
 ``DispatchKernels`` launches ``csrc/dispatch.cu`` (``dispatch``, ``redispatch``) and
 ``CombineKernels`` launches ``csrc/combine.cu`` (``combine``, ``values_send``, ``values_recv``):
-one launch per dispatch, redispatch or combine. The protocol each kernel follows is stated at
+one launch per dispatch, redispatch or combine. ``PermuteKernels`` launches ``csrc/permute.cu``
+(``permute_rows``, ``unpermute_rows``), the token-major layout's local conversions, and
+``Fp8PackKernels`` ``csrc/fp8.cu``. The protocol each kernel follows is stated at
 the top of its ``.cu`` file; the values it shares with this module (block shapes, chunk and layout
-sizes, the symmetric regions) are :mod:`moe_comm.protocol`'s. Both classes load every entry point
-in their constructor (compiling it through :mod:`moe_comm.cuda.jit` and loading it through
+sizes, the symmetric regions) are :mod:`moe_comm.protocol`'s. Each class loads every entry point
+in its constructor (compiling it through :mod:`moe_comm.cuda.jit` and loading it through
 :mod:`moe_comm.cuda.driver` when it is not cached), so a launcher never compiles or loads anything: it
 fills the per-call parameters of its kernel's :class:`moe_comm.cuda.kernel_params.KernelParams` (the
 fixed ones were set once) and calls ``cuLaunchKernel`` on torch's current stream, which works
@@ -24,7 +26,7 @@ import torch
 from .. import fp8, protocol
 from . import driver, jit, nvshmem_build
 from .kernel_params import kernel_params
-from ..errors import BackendError
+from ..errors import BackendError, InputError
 
 __all__ = [
     "FP8_KERNELS_MIN_ARCH",
@@ -39,6 +41,8 @@ __all__ = [
     "compile_for_configs",
     "DispatchKernels",
     "CombineKernels",
+    "permute_builds",
+    "PermuteKernels",
 ]
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
@@ -469,3 +473,89 @@ class CombineKernels:
             protocol.VALUES_THREADS,
             self._values_recv_const + ((routing.dest_rank, _P), (num_tokens, _I), (out.data_ptr(), _P)),
         )
+
+
+def permute_builds(dtype: torch.dtype, hidden: int, topk: int, *, fp8_rows: bool) -> list[jit.Build]:
+    """The builds of ``csrc/permute.cu`` that :class:`PermuteKernels` of rows of ``hidden`` ``dtype`` and
+    top-``topk`` loads: the ``dtype`` rows' (``permute_rows`` and ``unpermute_rows``), and with
+    ``fp8_rows`` the packed FP8 rows' (``permute_rows`` only; FP8 dispatch's defines,
+    :func:`fp8_dispatch_defines`). Neither needs NVSHMEM's headers: nothing crosses a rank."""
+    builds = [("permute", kernel_defines(dtype, hidden, topk), jit.Toolchain())]
+    if fp8_rows:
+        builds.append(("permute", fp8_dispatch_defines(dtype, hidden, topk), jit.Toolchain()))
+    return builds
+
+
+class PermuteKernels:
+    """Launchers of ``csrc/permute.cu``: the token-major layout's rows to and from the expert-major layout,
+    on torch's current stream with every SM (no SM budget: they run beside the compute), no sync, capturable.
+
+    ``permute`` gives ``moe_comm.routing.expand_rows`` bit for bit on the rows below
+    ``expert_offsets[-1]`` (without ``zero_padding`` on the kept rows); ``unpermute`` gives
+    ``moe_comm.routing.reduce_partials`` bit for bit on the slab rows with a kept entry, the partial rows
+    combine's send phase sums. Loads its entry points now (compiling them if not cached).
+
+    Args:
+        device: the CUDA device (with an index). dtype, hidden, topk: the config's rows and top-k.
+        fp8_rows: also load the build that permutes packed FP8 rows (:func:`moe_comm.fp8.pack`).
+        num_slab_rows: ``W * M``, the token-major rows. num_local_experts: L.
+        zero_padding: whether ``permute`` zeroes the segments' padding rows (the config's).
+        capacity_rows: rows of the expert-major layout.
+    """
+
+    # Blocks per SM of the grid: as many as fit at once of permute_rows, twice those of unpermute_rows
+    # (csrc/permute.cu's __launch_bounds__); neither kernel has a barrier, so the rest start as blocks end.
+    _BLOCKS_PER_SM = 4
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, hidden: int, topk: int, *, fp8_rows: bool,
+                 num_slab_rows: int, num_local_experts: int, zero_padding: bool, capacity_rows: int) -> None:
+        builds = permute_builds(dtype, hidden, topk, fp8_rows=fp8_rows)
+        load = lambda entry, build: driver.load_function(device, "permute", entry, build[1])  # noqa: E731
+        # permute_rows by the dtype of its rows: packed FP8 rows are uint8.
+        self._permute = {dtype: load("permute_rows", builds[0])}
+        if fp8_rows:
+            self._permute[torch.uint8] = load("permute_rows", builds[1])
+        self._unpermute = load("unpermute_rows", builds[0])
+        self._dtype = dtype
+        self._grid = self._BLOCKS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+        # The padding's segments in dynamic shared memory: end, kept rows and padding of every local expert.
+        self._shared = 3 * 4 * num_local_experts if zero_padding else 0
+        self._permute_params = kernel_params(
+            ((num_slab_rows, _I), (num_local_experts, _I), (int(zero_padding), _I), (capacity_rows, _I)),
+            (_P, _P, _P, _P, _P),
+        )
+        self._unpermute_params = kernel_params(((num_slab_rows, _I), (capacity_rows, _I)), (_P, _P, _P, _P))
+
+    def permute(self, rows: torch.Tensor, recv_pos: int, expert_offsets: torch.Tensor,
+                tokens_per_expert: torch.Tensor, out: torch.Tensor) -> None:
+        """Token-major ``rows [W * M, H]`` (the config dtype, or packed FP8 rows ``[W * M,
+        packed_row_bytes(H)]`` uint8) -> expert-major ``out [capacity_rows, ...]`` of the same dtype.
+        ``recv_pos``: the device address of the routing's ``[W * M, K]`` int32 (a
+        :class:`RoutingAddresses` field); ``expert_offsets``, ``tokens_per_expert``: ``[L]`` int32.
+
+        Raises:
+            InputError: packed FP8 rows without ``fp8_rows``, or rows of another dtype than the config's.
+        """
+        function = self._permute.get(rows.dtype)
+        if function is None:
+            raise InputError(
+                f"rows: got dtype {rows.dtype}, expected {' or '.join(map(str, self._permute))} "
+                "(packed FP8 rows are uint8 and need PermuteKernels(..., fp8_rows=True))"
+            )
+        params = self._permute_params.fill((rows.data_ptr(), recv_pos, expert_offsets.data_ptr(),
+                                            tokens_per_expert.data_ptr(), out.data_ptr()))
+        function.launch(self._grid, protocol.PERMUTE_THREADS, params, shared_bytes=self._shared)
+
+    def unpermute(self, y: torch.Tensor, recv_pos: int, weights: int, out: torch.Tensor) -> None:
+        """Expert-major ``y [capacity_rows, H]`` (the config dtype) -> ``out [W * M, H]``: row ``g`` the
+        sum of its kept entries' rows, weighted by the ``[W * M, K]`` float32 at device address
+        ``weights`` (0: unweighted); rows with no kept entry are left as they were. ``recv_pos``: as for
+        :meth:`permute`.
+
+        Raises:
+            InputError: ``y`` is not of the config's dtype.
+        """
+        if y.dtype != self._dtype:
+            raise InputError(f"y: got dtype {y.dtype}, expected the config's {self._dtype}")
+        params = self._unpermute_params.fill((y.data_ptr(), recv_pos, weights, out.data_ptr()))
+        self._unpermute.launch(self._grid, protocol.PERMUTE_THREADS, params)
