@@ -21,7 +21,7 @@
 //     out [W * M, HIDDEN]: for every slab row g with a kept entry,
 //         out[g] = dtype(sum over kept k, k increasing, of w_k * float(y[recv_pos[g, k]]))
 //     (w = recv_weight [W * M, K]; a null recv_weight: unweighted, w_k = 1 and no multiply), by
-//     reduce.cuh's sum_kept_rows, the sum combine's send phase computes: bit for bit that partial
+//     row_sums.cuh's sum_kept_rows, the sum combine's send phase computes: bit for bit that partial
 //     row (moe_comm.routing.reduce_partials). Rows with no kept entry are not written.
 // Both scan the slab rows in interleaved batches (common.cuh's RowBatch): a block loads a batch's
 // positions (and weights) once and lists the rows with a kept entry, so the many rows that carry
@@ -32,7 +32,11 @@
 
 #include "common.cuh"
 #include "expand.cuh"
-#include "reduce.cuh"
+#include "row_sums.cuh"
+
+#if TOKEN_MAJOR
+#error "permute.cu lays rows out expert-major (expand.cuh's for_each_target_row): build it without TOKEN_MAJOR"
+#endif
 
 // Permute's 16-byte vectors per lane per unit: one load round of a unit feeds up to K row stores.
 #define PERMUTE_VPL 4
@@ -68,9 +72,9 @@ extern "C" __global__ void __launch_bounds__(PERMUTE_THREADS, 4) permute_rows(
         const int v0 = row_unit * RowUnits<PERMUTE_VPL>::kVecs + lane;
         Vec16 vals[PERMUTE_VPL];
         load_unit<PERMUTE_VPL, kUserInput>(rows + batch.row[r] * ROW_BYTES, vals, v0);
-        for_each_kept_row(lane, lane < TOPK ? batch.pos[r * TOPK + lane] : -1,
-                          [&](int k) { return batch.pos[r * TOPK + k]; }, capacity_rows, out,
-                          [&](u8* row) { store_unit<PERMUTE_VPL>(row, vals, v0); });
+        for_each_target_row(batch.row[r], lane, lane < TOPK ? batch.pos[r * TOPK + lane] : -1,
+                            [&](int k) { return batch.pos[r * TOPK + k]; }, capacity_rows, out,
+                            [&](u8* row) { store_unit<PERMUTE_VPL>(row, vals, v0); });
     });
     if (zero_pad) {
         // Dynamic shared memory: the segments, 3 * num_local_experts int32 (load_segments). After the

@@ -283,11 +283,10 @@ class DeviceBackend(Backend):
         )
         self._permute_kernels = None
         if self.token_major:
-            permute_defines = [row_defines for name, row_defines, _ in builds if name == "permute"]
             self._permute_kernels = kernels.PermuteKernels(
-                self.device, permute_defines[0], permute_defines[1] if len(permute_defines) > 1 else None,
+                self.device, self.dtype, cfg.hidden, cfg.topk, fp8_rows=cfg.dispatch_dtype is not None,
                 num_slab_rows=self.num_slab_rows, num_local_experts=self.num_local_experts,
-                expert_alignment=cfg.expert_alignment, zero_padding=cfg.zero_padding, capacity_rows=self.capacity_rows,
+                zero_padding=cfg.zero_padding, capacity_rows=self.capacity_rows,
             )
         self._load_fp8_codec()
 
@@ -298,6 +297,9 @@ class DeviceBackend(Backend):
         idx = torch.empty((0, cfg.topk), dtype=torch.int64, device=self.device)
         weights = torch.empty((0, cfg.topk), dtype=torch.float32, device=self.device)
         result = self.dispatch(x, idx, weights)
+        if self.token_major:  # local kernels: run once here so that a fault shows at construction
+            rows = self.permute(result.x, result.routing, result.expert_offsets, result.tokens_per_expert)
+            self.unpermute(rows, result.routing, None)
         self.combine(result.x, result.routing, weighted=True)
         self.redispatch(x, result.routing)
         self.warm_up_calls = 2  # the dispatch and the redispatch above

@@ -105,7 +105,7 @@ def device_builds(dtype: torch.dtype, hidden: int, topk: int, *, arch: str, put_
         if capability >= FP8_KERNELS_MIN_ARCH:
             builds.append(("fp8", fp8_defines(dtype, hidden), jit.Toolchain()))
     if token_major:
-        builds += permute_builds(dtype, hidden, topk, arch=arch, fp8_rows=fp8_dispatch)
+        builds += permute_builds(dtype, hidden, topk, fp8_rows=fp8_dispatch)
     return builds
 
 
