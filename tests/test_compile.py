@@ -86,6 +86,50 @@ def test_compiled_dispatch_combine_equals_eager():
         assert max(result["errors"]) < 1e-6, result
 
 
+def _token_major_rank(rank: int, world_size: int) -> dict:
+    """The token-major step (dispatch, permute, experts, unpermute, combine) compiled: its two local ops pass
+    opcheck, the step is one graph, and its output and gradients are the eager step's."""
+    x, topk_idx, topk_weights = _inputs(rank)
+    scale = torch.randn(HIDDEN, generator=torch.Generator().manual_seed(100))
+    with moe_comm.Dispatcher(_config(receive_layout="token_major")) as disp:
+        ident = disp._id
+        out = disp.dispatch(x.detach(), topk_idx, topk_weights.detach())
+        recv_pos = out.handle.routing.recv_pos
+        reports = [
+            torch.library.opcheck(torch.ops.moe_comm.permute.default,
+                                  (out.x.clone().requires_grad_(), recv_pos, out.expert_offsets,
+                                   out.tokens_per_expert, ident)),
+            torch.library.opcheck(torch.ops.moe_comm.unpermute.default,
+                                  (torch.randn(disp.capacity_rows, HIDDEN, requires_grad=True), recv_pos,
+                                   out.topk_weights.clone().requires_grad_(), ident)),
+        ]
+
+        def step(x, topk_idx, topk_weights):
+            out = disp.dispatch(x, topk_idx, topk_weights)
+            rows = disp.permute(out)
+            return disp.combine(disp.unpermute(rows.x * scale, out), out.handle)
+
+        z = step(x, topk_idx, topk_weights)
+        (z * z).sum().backward()
+        eager = (z.detach(), x.grad.clone(), topk_weights.grad.clone())
+        x.grad = topk_weights.grad = None
+        explain = torch._dynamo.explain(step)(x, topk_idx, topk_weights)
+        z = torch.compile(step, fullgraph=True)(x, topk_idx, topk_weights)
+        (z * z).sum().backward()
+        got = (z.detach(), x.grad, topk_weights.grad)
+        disp.check()
+    return {"reports": reports, "graphs": explain.graph_count, "breaks": explain.graph_break_count,
+            "errors": [((a - b).abs().max() / a.abs().max()).item() for a, b in zip(eager, got)]}
+
+
+def test_compiled_token_major_step_equals_eager():
+    for result in run_ranks(_token_major_rank, 2, timeout_s=600):
+        for report in result["reports"]:
+            assert set(report.values()) == {"SUCCESS"}, report
+        assert (result["graphs"], result["breaks"]) == (1, 0), result
+        assert max(result["errors"]) < 1e-6, result
+
+
 def _check_every_step_rank(rank: int, world_size: int) -> str:
     x, topk_idx, topk_weights = _inputs(rank)
     with moe_comm.Dispatcher(_config(check_every_step=True)) as disp:
