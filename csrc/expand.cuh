@@ -373,7 +373,9 @@ __device__ __forceinline__ ExpandRoles expand_roles(int early, int layout_first,
                                                     bool replicated, bool zero_pad) {
     const i64 warps = blockDim.x >> 5;
     const int group = grid - early;
-    const i64 unit_copies = static_cast<i64>(num_tokens) * RowUnits<EXPAND_VPL>::kPerRow * ((TOPK + world - 1) / world);
+    // A row's copies: one (token-major), else ceil(K / W) (uniform routing keeps K / W entries on each rank).
+    const i64 row_copies = TOKEN_MAJOR ? 1 : (TOPK + world - 1) / world;
+    const i64 unit_copies = static_cast<i64>(num_tokens) * RowUnits<EXPAND_VPL>::kPerRow * row_copies;
     const i64 copy_warps = (unit_copies + ROLE_COPIES_PER_WARP - 1) / ROLE_COPIES_PER_WARP;
     const int own = static_cast<int>((copy_warps + warps - 1) / warps);
     const bool split = 2 * own <= group && (world == 1 ? replicated : layout_first > early);
