@@ -61,7 +61,10 @@ def _expert_scale(disp: moe_comm.Dispatcher, scale_table: torch.Tensor):
 
     def experts(out) -> torch.Tensor:
         expert = torch.searchsorted(out.expert_offsets, row_index, right=True).clamp_(max=scale_table.numel() - 1)
-        return (out.x.float() * scale_table[expert][:, None]).to(out.x.dtype)
+        # Rows past the last segment are unspecified (stale, maybe NaN): zeroed before they meet a weight,
+        # or 0 * NaN would reach the scales' gradient.
+        rows = torch.where((row_index < out.expert_offsets[-1])[:, None], out.x.float(), 0.0)
+        return (rows * scale_table[expert][:, None]).to(out.x.dtype)
     return experts
 
 
