@@ -44,6 +44,13 @@
 #include "row_sums.cuh"
 
 #define COMBINE_RECV_VPL 4
+// 16-byte vectors a lane holds of a partial row: the expert-major sum's (COMBINE_SEND_VPL), or in
+// TOKEN_MAJOR builds, which read one row a partial, COMBINE_REDUCED_VPL.
+#if TOKEN_MAJOR
+#define PARTIAL_VPL COMBINE_REDUCED_VPL
+#else
+#define PARTIAL_VPL COMBINE_SEND_VPL
+#endif
 
 // ------------------------------------------------------------------------------ send phase
 
@@ -54,7 +61,7 @@
 // zeros when no entry is kept. before_sums() runs once the unit's first loads are issued. acc: zeros
 // on entry, the expert-major sum's scratch.
 template <typename PosAt, typename WeightAt, typename BeforeSums>
-__device__ __forceinline__ void partial_unit(Vec16 (&partial)[COMBINE_SEND_VPL], float (&acc)[COMBINE_SEND_VPL][ELEMS_PER_VEC],
+__device__ __forceinline__ void partial_unit(Vec16 (&partial)[PARTIAL_VPL], float (&acc)[PARTIAL_VPL][ELEMS_PER_VEC],
                                              const u8* rows, i64 g, u32 kept,
                                              PosAt pos_at, WeightAt weight_at, bool weighted, int v0,
                                              BeforeSums before_sums) {
@@ -64,17 +71,17 @@ __device__ __forceinline__ void partial_unit(Vec16 (&partial)[COMBINE_SEND_VPL],
     (void)weight_at;
     (void)weighted;
     if (kept != 0u) {
-        load_unit<COMBINE_SEND_VPL, kUserInput>(rows + g * ROW_BYTES, partial, v0);
+        load_unit<PARTIAL_VPL, kUserInput>(rows + g * ROW_BYTES, partial, v0);
     } else {
 #pragma unroll
-        for (int u = 0; u < COMBINE_SEND_VPL; ++u) partial[u] = zero16();
+        for (int u = 0; u < PARTIAL_VPL; ++u) partial[u] = zero16();
     }
     before_sums();
 #else
     (void)g;
     sum_kept_rows(acc, rows, kept, pos_at, weight_at, weighted, v0, before_sums);
 #pragma unroll
-    for (int u = 0; u < COMBINE_SEND_VPL; ++u) partial[u] = pack16(acc[u]);
+    for (int u = 0; u < PARTIAL_VPL; ++u) partial[u] = pack16(acc[u]);
 #endif
 }
 
@@ -86,7 +93,7 @@ __device__ __forceinline__ void send_partials(RowBatch& batch, const i64* s_peer
                                               i64 off_stage_x, const void* y, int capacity_rows,
                                               const i32* recv_pos, const float* recv_weight, int weighted,
                                               bool wait_for_acks) {
-    typedef RowUnits<COMBINE_SEND_VPL> Units;
+    typedef RowUnits<PARTIAL_VPL> Units;
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int warps = blockDim.x >> 5;
@@ -101,9 +108,9 @@ __device__ __forceinline__ void send_partials(RowBatch& batch, const i64* s_peer
             const int pos = lane < TOPK ? batch.pos[r * TOPK + lane] : -1;
             const u32 kept = kept_entries(lane, pos, capacity_rows);
             const int v0 = row_unit * Units::kVecs + lane;
-            float acc[COMBINE_SEND_VPL][ELEMS_PER_VEC];
-            zero_acc<COMBINE_SEND_VPL>(acc);
-            Vec16 partial[COMBINE_SEND_VPL];
+            float acc[PARTIAL_VPL][ELEMS_PER_VEC];
+            zero_acc<PARTIAL_VPL>(acc);
+            Vec16 partial[PARTIAL_VPL];
             partial_unit(partial, acc, rows, TOKEN_MAJOR ? batch.row[r] : 0, kept,
                          [&](int k) { return batch.pos[r * TOPK + k]; },
                          [&](int k) { return batch.weight[r * TOPK + k]; }, weighted != 0, v0, [&]() {
@@ -120,12 +127,12 @@ __device__ __forceinline__ void send_partials(RowBatch& batch, const i64* s_peer
 #if PUT_TRANSPORT
             if (s != rank) {  // staged in this rank's own allocation, the copy NVSHMEM reads
                 u8* staged = reinterpret_cast<u8*>(s_peer[rank] + off_stage_x) + g * ROW_BYTES;
-                store_unit<COMBINE_SEND_VPL>(staged, partial, v0);
-                put_unit<COMBINE_SEND_VPL>(dst, staged, row_unit, s);
+                store_unit<PARTIAL_VPL>(staged, partial, v0);
+                put_unit<PARTIAL_VPL>(dst, staged, row_unit, s);
                 continue;
             }
 #endif
-            store_unit<COMBINE_SEND_VPL>(dst, partial, v0);
+            store_unit<PARTIAL_VPL>(dst, partial, v0);
         }
         __syncthreads();  // the batch is overwritten next
     }
@@ -192,7 +199,7 @@ __device__ __forceinline__ void sum_partials(const i64* s_peer, int rank, int wo
 // a token with no kept entry gets zeros.
 __device__ __forceinline__ void combine_own_tokens(const void* y, int capacity_rows, const i32* recv_pos,
                                                    const float* recv_weight, int weighted, int num_tokens, void* z) {
-    typedef RowUnits<COMBINE_SEND_VPL> Units;
+    typedef RowUnits<PARTIAL_VPL> Units;
     const int lane = threadIdx.x & 31;
     const int warps = blockDim.x >> 5;
     const i64 num_units = static_cast<i64>(num_tokens) * Units::kPerRow;
@@ -204,17 +211,17 @@ __device__ __forceinline__ void combine_own_tokens(const void* y, int capacity_r
         const float w = lane < TOPK && weighted ? recv_weight[t * TOPK + lane] : 1.0f;
         const u32 kept = kept_entries(lane, pos, capacity_rows);
         const int v0 = row_unit * Units::kVecs + lane;
-        float acc[COMBINE_SEND_VPL][ELEMS_PER_VEC];
-        zero_acc<COMBINE_SEND_VPL>(acc);
-        Vec16 partial[COMBINE_SEND_VPL];
+        float acc[PARTIAL_VPL][ELEMS_PER_VEC];
+        zero_acc<PARTIAL_VPL>(acc);
+        Vec16 partial[PARTIAL_VPL];
         partial_unit(partial, acc, static_cast<const u8*>(y), t, kept,
                      [&](int k) { return __shfl_sync(FULL_MASK, pos, k); },
                      [&](int k) { return __shfl_sync(FULL_MASK, w, k); }, weighted != 0, v0, []() {});
-        zero_acc<COMBINE_SEND_VPL>(acc);
-        accumulate<COMBINE_SEND_VPL>(acc, partial, 1.0f, false, v0);
+        zero_acc<PARTIAL_VPL>(acc);
+        accumulate<PARTIAL_VPL>(acc, partial, 1.0f, false, v0);
 #pragma unroll
-        for (int u = 0; u < COMBINE_SEND_VPL; ++u) partial[u] = pack16(acc[u]);
-        store_unit<COMBINE_SEND_VPL>(static_cast<u8*>(z) + t * ROW_BYTES, partial, v0);
+        for (int u = 0; u < PARTIAL_VPL; ++u) partial[u] = pack16(acc[u]);
+        store_unit<PARTIAL_VPL>(static_cast<u8*>(z) + t * ROW_BYTES, partial, v0);
     }
 }
 

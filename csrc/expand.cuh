@@ -10,7 +10,13 @@
 #endif
 #include "layout.cuh"
 
-#define EXPAND_VPL 4        // small units: decode sizes have few rows to spread over the SMs
+// Small units: decode sizes have few rows to spread over the SMs. Token-major builds copy a row once,
+// not to K rows, so a lane keeps more of it in flight.
+#if TOKEN_MAJOR
+#define EXPAND_VPL 8
+#else
+#define EXPAND_VPL 4
+#endif
 #define ROLE_COPIES_PER_WARP 8  // row unit copies a warp makes at decode sizes (expand_roles)
 #define PAD_BATCH_UNITS 2       // padding row units a warp zeroes per batch (zero_padding)
 

@@ -76,6 +76,7 @@ __all__ = [
     "SEND_VPL",
     "COMBINE_THREADS",
     "COMBINE_SEND_VPL",
+    "COMBINE_REDUCED_VPL",
     "VALUES_THREADS",
     "PERMUTE_THREADS",
     "LAYOUT_ROWS_PER_BLOCK",
@@ -228,6 +229,9 @@ DISPATCH_THREADS = 512
 SEND_VPL = 8
 COMBINE_THREADS = 512
 COMBINE_SEND_VPL = 2
+# Token-major combine's (TOKEN_MAJOR builds): one row read a partial instead of K summed, so a lane keeps
+# more of it in flight.
+COMBINE_REDUCED_VPL = 8
 VALUES_THREADS = 512
 PERMUTE_THREADS = 256  # permute_rows and unpermute_rows (csrc/permute.cu): several blocks an SM
 # Slab rows per layout block of dispatch: the host sizes the layout group for full slabs by it, and
@@ -279,7 +283,8 @@ _HEADER_GROUPS = (
      ("MAX_WORLD", "MAX_TOPK", "REGION_ALIGN", "LAYOUT_SHARED_LIMIT")),
     ("Block shapes: threads per block, the send phases' vectors per lane per unit, slab rows per layout block, "
      "e4m3 vectors per lane per unit of quantized rows, the most tokens whose own rows FP8 dispatch packs first",
-     ("DISPATCH_THREADS", "SEND_VPL", "COMBINE_THREADS", "COMBINE_SEND_VPL", "VALUES_THREADS", "PERMUTE_THREADS",
+     ("DISPATCH_THREADS", "SEND_VPL", "COMBINE_THREADS", "COMBINE_SEND_VPL", "COMBINE_REDUCED_VPL", "VALUES_THREADS",
+      "PERMUTE_THREADS",
       "LAYOUT_ROWS_PER_BLOCK", "FP8_UNIT_VPL", "FP8_PACK_OWN_MAX_TOKENS")),
 )
 

@@ -425,7 +425,8 @@ class CombineKernels:
         # One rank has a kernel of its own (no slab, nothing to wait for), on as many blocks as its
         # units fill: it has no phase that waits for other blocks.
         self._combine = load("combine" if args.world_size > 1 else "combine_one_rank")
-        self._one_rank_units = _units_per_row(regions.row_bytes, protocol.COMBINE_SEND_VPL) if args.world_size == 1 else 0
+        partial_vpl = protocol.COMBINE_REDUCED_VPL if defines.get("TOKEN_MAJOR") else protocol.COMBINE_SEND_VPL
+        self._one_rank_units = _units_per_row(regions.row_bytes, partial_vpl) if args.world_size == 1 else 0
         self._values_send = load("values_send")
         self._values_recv = load("values_recv")
         self._topk = regions.topk
