@@ -360,7 +360,9 @@ class Dispatcher:
         self._check_routing(num_tokens, topk_idx, topk_weights)
         quantized_from = x if x_scales is None and torch.is_grad_enabled() and x.requires_grad else None
         if torch.compiler.is_compiling():
-            result = ops.dispatch_fp8(self._id, x.detach(), x_scales, topk_idx, topk_weights.detach())
+            # Token-major: the op's received weights carry the router weights' gradient (unpermute applies them).
+            weights = topk_weights if cfg.token_major else topk_weights.detach()
+            result = ops.dispatch_fp8(self._id, x.detach(), x_scales, topk_idx, weights)
         else:
             result = backend.dispatch_fp8(x, x_scales, topk_idx, topk_weights)
         out_x, out_scales = fp8.unpack(result.x, cfg.hidden)

@@ -242,9 +242,9 @@ def test_compiled_balanced_model_equals_eager():
 FP8_HIDDEN = 128  # FP8 dispatch scales blocks of 128 channels
 
 
-def _fp8_config() -> moe_comm.Config:
+def _fp8_config(**overrides) -> moe_comm.Config:
     return moe_comm.load_config(None, backend="reference", num_experts=EXPERTS, topk=TOPK, hidden=FP8_HIDDEN,
-                                max_tokens_per_rank=16, dtype="float32", dispatch_dtype="float8_e4m3fn")
+                                max_tokens_per_rank=16, dtype="float32", dispatch_dtype="float8_e4m3fn", **overrides)
 
 
 def _compiled_fp8_rank(rank: int, world_size: int) -> dict:
@@ -294,6 +294,22 @@ def _compiled_fp8_rank(rank: int, world_size: int) -> dict:
             want = disp.dequantize(disp.dispatch(pair, topk_idx, topk_weights))
         results["pair_rows"] = torch.equal(by_pair[:end], want[:end])
         disp.check()
+    # Token-major FP8: dispatch, permute, dequantize, experts, unpermute, combine in one graph; x's gradient
+    # comes straight through the dequantization, the router weights' through dispatch's received weights.
+    with moe_comm.Dispatcher(_fp8_config(receive_layout="token_major")) as disp:
+        def token_major_step(x, topk_idx, topk_weights):
+            out = disp.dispatch(x, topk_idx, topk_weights)
+            rows = disp.permute(out)
+            return disp.combine(disp.unpermute(disp.dequantize(rows) * scale, out), out.handle), rows.x.view(torch.uint8)
+
+        eager = run(token_major_step)
+        explain = torch._dynamo.explain(token_major_step)(x, topk_idx, topk_weights)
+        compiled = run(torch.compile(token_major_step, fullgraph=True))
+        results["token_major_graphs"] = (explain.graph_count, explain.graph_break_count)
+        results["token_major_errors"] = [((a - b).abs().max() / a.abs().max()).item()
+                                         for a, b in zip(eager[:3], compiled[:3])]
+        results["token_major_same_fp8_rows"] = torch.equal(eager[3][:end], compiled[3][:end])
+        disp.check()
     return results
 
 
@@ -305,3 +321,5 @@ def test_compiled_fp8_dispatch_equals_eager():
         assert (result["graphs"], result["breaks"]) == (1, 0), (rank, result)
         assert result["same_fp8_rows"] and result["pair_rows"], (rank, result)
         assert max(result["errors"]) < 1e-6, (rank, result)
+        assert result["token_major_graphs"] == (1, 0) and result["token_major_same_fp8_rows"], (rank, result)
+        assert max(result["token_major_errors"]) < 1e-6, (rank, result)
