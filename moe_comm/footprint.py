@@ -104,7 +104,8 @@ def run_memory(config: Config, world_size: int, backend: str, ffn_hidden: int) -
     - the dispatcher's symmetric allocation (or the two slabs of every exchange);
     - the step's activations: three dispatch-output-sized buffers (the output, backward's
       redispatch and its gradient) and the experts' ``[capacity_rows, 2F]`` and ``[capacity_rows, F]``
-      activations with their gradients, in the config dtype;
+      activations with their gradients, in the config dtype; with ``receive_layout: token_major`` also
+      the ``[W * M, H]`` token-major and reduced rows and their gradients;
     - this rank's experts (``[E_local, H, 2F]`` and ``[E_local, F, H]``) and their gradients;
     - the dense reference: every expert in float32, with gradients, plus the config-dtype copy
       it is drawn from.
@@ -114,10 +115,14 @@ def run_memory(config: Config, world_size: int, backend: str, ffn_hidden: int) -
     per_expert = 3 * config.hidden * ffn_hidden
     local = config.num_local_experts(world_size)
     capacity_key = "expert_capacity" if config.expert_capacity is not None else "max_tokens_per_rank"
+    activations = 3 * fp.out_x_bytes + 2 * fp.capacity_rows * 3 * ffn_hidden * itemsize
+    if config.token_major:
+        # The token-major rows and the reduced rows, and their gradients: [W * M, H] each.
+        activations += 4 * world_size * config.max_tokens_per_rank * config.hidden * itemsize
     terms = [
         MemoryTerm("the dispatcher's buffers", fp.symmetric_bytes or 2 * fp.slab_bytes, "max_tokens_per_rank"),
-        MemoryTerm(f"a training step's activations ({fp.capacity_rows:,} rows a dispatch output)",
-                   3 * fp.out_x_bytes + 2 * fp.capacity_rows * 3 * ffn_hidden * itemsize, capacity_key),
+        MemoryTerm(f"a training step's activations ({fp.capacity_rows:,} rows a dispatch output)", activations,
+                   capacity_key),
         MemoryTerm(f"this rank's {local} experts and their gradients", 2 * local * per_expert * itemsize,
                    "num_experts or --ffn-hidden"),
         MemoryTerm(f"the dense reference of all {config.num_experts} experts (float32, with gradients)",
