@@ -22,6 +22,7 @@ from layer_checks import BASE, FFN, TOLERANCE, assert_within, gather, layer_erro
 from multirank import run_ranks
 from requirements import missing
 from segments import padding_rows
+from token_major_checks import differing_tensors
 
 # DeepSeek-V3's router on 8 experts: sigmoid scores, 4 groups of 2 of which each token keeps 2,
 # a selection bias (aux-loss-free balancing), renormalised weights scaled by 2.5.
@@ -247,8 +248,7 @@ def _layouts_bitwise(rank, world_size, backend) -> list[str]:
             (aux_loss + (z.float() * upstream).sum()).backward()
             runs.append({"output": z, "aux_loss": aux_loss, "grad x": x.grad,
                          **{f"grad {name}": param.grad for name, param in model.named_parameters()}})
-    expert_major, token_major = runs
-    return [name for name, tensor in expert_major.items() if not torch.equal(tensor, token_major[name])]
+    return differing_tensors(*runs)
 
 
 def _layer_repr(backend):
