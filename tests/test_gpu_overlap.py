@@ -24,6 +24,7 @@ from multirank import run_ranks
 pytestmark = pytest.mark.gpu
 
 HIDDEN, TOKENS, EXPERTS, TOPK, BUDGET = 512, 128, 8, 2, 8
+LAYOUTS = ("expert_major", "token_major")
 REPLAYS = 3
 
 
@@ -50,9 +51,6 @@ def _overlapped(disp, comm: torch.cuda.Stream, x, idx, weights, a, b):
     compute.wait_stream(comm)
     z.record_stream(compute)  # allocated on comm, used on the compute stream from here on
     return z, product, second
-
-
-LAYOUTS = ("expert_major", "token_major")
 
 
 def _configs() -> list:

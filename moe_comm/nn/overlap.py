@@ -36,8 +36,7 @@ def gemm_sm_carveout(num_sms: int) -> Iterator[None]:
     Process-wide while it lasts (every matmul of every stream, eager or captured: a CUDA graph
     captured inside keeps the carveout), restored on exit. Pass the config's ``sm_budget``. It changes
     only cuBLAS's matmuls: moe_comm's own kernels (the token-major permute and unpermute too) keep their
-    grids. Both
-    torch settings it uses are experimental in torch (``preferred_blas_library``,
+    grids. Both torch settings it uses are experimental in torch (``preferred_blas_library``,
     ``_set_sm_carveout_experimental``).
 
     Raises:

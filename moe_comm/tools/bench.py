@@ -799,8 +799,7 @@ def write_results(rows: list[dict], meta: dict, out_dir: Path, name: str) -> lis
     for row in rows:
         if (row["routing"] == "uniform" and "sweep" not in row["mode"] and row["system"] != "overlap"
                 and row["total_us"] is not None):
-            label = f"{row['system']} ({row['mode']})" if row["layout"] is None else \
-                f"{row['system']} {row['layout']} ({row['mode']})"
+            label = " ".join(part for part in (row["system"], row["layout"], f"({row['mode']})") if part)
             lines.setdefault(label, []).append((row["tokens"], row["total_us"]))
     for label, points in sorted(lines.items()):
         points.sort()
