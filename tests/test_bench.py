@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -17,7 +18,7 @@ import torch.distributed as dist
 
 from moe_comm.tools.baselines import HostSplitAllToAll, PaddedAllToAll, SymmMemAllToAll2d, chunks_per_rank, covered_rows
 from moe_comm.tools import bench
-from moe_comm.config import Config
+from moe_comm.config import RECEIVE_LAYOUTS, Config
 from moe_comm.tools.bench import BenchOptions, bench_rank, make_routing, write_results
 from multirank import run_ranks
 
@@ -158,15 +159,26 @@ def test_eager_timing_leaves_the_wake_up_call_out():
     assert got["replay_us"] >= 0.2e6 / 4, got
 
 
+# Eager calls per timed measurement in the CPU ranks of these tests (the bench's 32 would only cost time here).
+FEW_EAGER_CALLS = 2
+
+
+def _bench_in_each_layout(rank: int, world: int, options: BenchOptions) -> list:
+    """``bench_rank``'s rows with ``options`` in each receive layout (rank 0's; [] elsewhere)."""
+    bench.EAGER_CALLS = FEW_EAGER_CALLS
+    return [bench_rank(rank, world, dataclasses.replace(options, receive_layout=layout)) for layout in RECEIVE_LAYOUTS]
+
+
 def test_bench_rows_and_files(tmp_path):
     options = BenchOptions(tokens=(4,), routings=("uniform",), hidden=128, num_experts=4, topk=2,
                            dtype="float32", backend="reference", repeats=2, warmup=1, fp8=True)
-    rows = run_ranks(bench_rank, 2, options)[0]
+    rows, token_major_rows = run_ranks(_bench_in_each_layout, 2, options)[0]
     # Every baseline that cannot run on CPU ranks has a row that says why; the reference backend has no senders.
-    assert [(r["system"], r["mode"], r["tokens"]) for r in rows] == [
-        ("moe_comm", "eager", 4), ("moe_comm fp8 dispatch", "eager", 4),
-        ("moe_comm fp8 dispatch, pre-quantized", "eager", 4), (HostSplitAllToAll.name, "unavailable", 4),
-        (PaddedAllToAll.name, "unavailable", 4), (SymmMemAllToAll2d.name, "unavailable", 4)]
+    assert [(r["system"], r["layout"], r["mode"], r["tokens"]) for r in rows] == [
+        ("moe_comm", "expert_major", "eager", 4), ("moe_comm fp8 dispatch", "expert_major", "eager", 4),
+        ("moe_comm fp8 dispatch, pre-quantized", "expert_major", "eager", 4),
+        (HostSplitAllToAll.name, None, "unavailable", 4), (PaddedAllToAll.name, None, "unavailable", 4),
+        (SymmMemAllToAll2d.name, None, "unavailable", 4)]
     assert [row["note"] for row in rows[3:]] == ["needs CUDA GPUs (NCCL)"] * 2 + ["needs CUDA GPUs (NVSHMEM)"]
     assert all(row["extra"]["combine_error"] is None for row in rows[3:])
     assert rows[0]["num_senders"] is None
@@ -175,39 +187,59 @@ def test_bench_rows_and_files(tmp_path):
     # pre-quantized pair of the same rows gives the same bytes, so the same error.
     assert 0 < rows[1]["extra"]["combine_error"] < 0.07
     assert rows[2]["extra"]["combine_error"] == rows[1]["extra"]["combine_error"]
-    assert all(rows[0][key] > 0 for key in ("dispatch_us", "combine_us", "total_us"))
+    assert all(row[key] > 0 for row in rows[:3] for key in ("dispatch_us", "combine_us", "total_us", "step_us"))
     assert all(row["extra"]["host_loop_us"] > 0 for row in rows[:3]) and "host_loop_us" not in rows[5]["extra"]
-    written = write_results(rows, {"world_size": 2, "device": "CPU"}, tmp_path, "smoke")
-    assert json.loads((tmp_path / "smoke.json").read_text())["rows"] == rows
+    # --receive-layout token_major: the same rows in that layout, their correctness check through the
+    # permute and unpermute giving the expert-major path's bits (so its very errors).
+    assert [(r["system"], r["layout"]) for r in token_major_rows[:3]] == [
+        (row["system"], "token_major") for row in rows[:3]]
+    for expert_major, token_major in zip(rows[:3], token_major_rows):
+        assert token_major["extra"]["combine_error"] == expert_major["extra"]["combine_error"], token_major
+        assert all(token_major[key] > 0 for key in ("dispatch_us", "combine_us", "total_us", "step_us"))
+    written = write_results(rows + token_major_rows[:1], {"world_size": 2, "device": "CPU"}, tmp_path, "smoke")
+    assert json.loads((tmp_path / "smoke.json").read_text())["rows"] == rows + token_major_rows[:1]
     table = (tmp_path / "smoke.md").read_text()
-    assert "| moe_comm | eager | uniform | 4 |" in table
-    assert f"| {SymmMemAllToAll2d.name} | unavailable | uniform | 4 |" in table and "needs CUDA GPUs" in table
+    assert "| moe_comm | expert_major | eager | uniform | 4 |" in table
+    assert "| moe_comm | token_major | eager | uniform | 4 |" in table
+    assert f"| {SymmMemAllToAll2d.name} | - | unavailable | uniform | 4 |" in table and "needs CUDA GPUs" in table
     assert {p.suffix for p in written} >= {".json", ".md"}
 
 
-def _dequantize_calls(rank: int, world: int, options: BenchOptions, dispatch_dtype) -> int:
-    """How often one workload's measurement dequantizes dispatch outputs (Dispatcher.dequantize)."""
+def _identity_experts_calls(rank: int, world: int, options: BenchOptions) -> dict:
+    """How often one workload's measurement runs the identity experts on a dispatch output (the
+    expert-major rows' dequantization, token-major with the permute and unpermute): per dispatch dtype
+    and receive layout, for each of ``Dispatcher.dequantize``, ``permute`` and ``unpermute``."""
     from moe_comm.dispatcher import Dispatcher
-    calls = {"n": 0}
-    dequantize = Dispatcher.dequantize
+    bench.EAGER_CALLS = FEW_EAGER_CALLS
+    calls = {}
+    for name in ("dequantize", "permute", "unpermute"):
+        def counted(self, *args, _method=getattr(Dispatcher, name), _name=name, **kwargs):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _method(self, *args, **kwargs)
 
-    def counted(self, out):
-        calls["n"] += 1
-        return dequantize(self, out)
-
-    Dispatcher.dequantize = counted
+        setattr(Dispatcher, name, counted)
+    counts = {}
     work = bench._Workload(options, 4, "uniform", rank, torch.device("cpu"))
-    bench._measure_moe_comm(options, work, None, None, dispatch_dtype=dispatch_dtype)
-    return calls["n"]
+    for dispatch_dtype in (None, "float8_e4m3fn"):
+        for layout in RECEIVE_LAYOUTS:
+            calls.clear()
+            bench._measure_moe_comm(options, work, None, None, dispatch_dtype=dispatch_dtype, receive_layout=layout)
+            counts[(dispatch_dtype, layout)] = dict(calls)
+    return counts
 
 
-def test_fp8_dispatch_combine_leaves_the_identity_experts_dequantization_out():
-    # The FP8 row's timed steps combine the first call's rows, dequantized once (for the error
-    # check); a config-dtype row takes out.x from every dispatch, through the same method.
+def test_dispatch_combine_leaves_the_identity_experts_out_and_the_whole_step_runs_them():
+    # dispatch+combine (and combine alone) combine the rows of the first call's identity experts, run
+    # once for the error check: no dequantization pass, no permute or unpermute in them. The whole step
+    # runs them every time: (1 untimed + EAGER_CALLS) calls per median, warmup + repeats medians.
     options = BenchOptions(tokens=(4,), routings=("uniform",), hidden=128, num_experts=4, topk=2,
                            dtype="float32", backend="reference", repeats=2, warmup=1)
-    assert run_ranks(_dequantize_calls, 2, options, "float8_e4m3fn") == [1, 1]
-    assert all(n > 1 for n in run_ranks(_dequantize_calls, 2, options, None))
+    steps = 1 + (options.warmup + options.repeats) * (1 + FEW_EAGER_CALLS)
+    for counts in run_ranks(_identity_experts_calls, 2, options):
+        for dispatch_dtype in (None, "float8_e4m3fn"):
+            assert counts[(dispatch_dtype, "expert_major")] == {"dequantize": steps}, counts
+            assert counts[(dispatch_dtype, "token_major")] == {"dequantize": steps, "permute": steps,
+                                                              "unpermute": steps}, counts
 
 
 def test_cpu_defaults_are_a_smoke_run_and_flags_win():
@@ -231,6 +263,10 @@ def test_cpu_defaults_are_a_smoke_run_and_flags_win():
     assert (unwritten.zero_padding, given.zero_padding) == (False, True)
     assert not bench._config(unwritten, 8, None).zero_padding
     assert bench._options(bench._parser().parse_args([]), gpus=1).overlap_budgets == ()
+    # --receive-layout reaches the config of the workloads' rows.
+    token_major = bench._options(bench._parser().parse_args(["--receive-layout", "token_major"]), gpus=0)
+    assert (token_major.receive_layout, given.receive_layout) == ("token_major", "expert_major")
+    assert bench._config(token_major, 8, None).token_major and not bench._config(given, 8, None).token_major
 
 
 @pytest.mark.parametrize("argv, fragment", [
@@ -251,12 +287,14 @@ def test_bad_workload_is_one_line_before_any_rank_starts(argv, fragment, capsys,
     assert err.startswith("moe-comm bench: error: ") and fragment in err and err.count("\n") == 1
 
 
-def test_budget_sweep_times_every_sender_count_at_every_budget(monkeypatch):
+def test_budget_sweep_times_every_sender_count_at_every_budget_in_every_layout(monkeypatch):
     measured = []
 
-    def measure(options, work, group, sm_budget, dispatch_dtype=None, num_senders=None, eager=True):
-        measured.append((work, sm_budget, num_senders, eager, dispatch_dtype))
-        times = {"dispatch_us": 10.0 * num_senders, "combine_us": 5.0, "total_us": 10.0 * num_senders + 5.0}
+    def measure(options, work, group, sm_budget, dispatch_dtype=None, num_senders=None, eager=True,
+                receive_layout=None):
+        measured.append((work, sm_budget, num_senders, eager, dispatch_dtype, receive_layout))
+        times = {"dispatch_us": 10.0 * num_senders, "combine_us": 5.0, "total_us": 10.0 * num_senders + 5.0,
+                 "step_us": 10.0 * num_senders + 7.0}
         modes = {"graph": times, **({"eager": times} if eager else {})}
         return {"error": 0.0, "cross_bytes": 0, "received_bytes": 0, **modes}
 
@@ -265,37 +303,58 @@ def test_budget_sweep_times_every_sender_count_at_every_budget(monkeypatch):
     args = bench._parser().parse_args(["--sweep-budget", "24", "16", "--sweep-senders", "8", "24"])
     options = bench._options(args, gpus=1)
     rows = bench._budget_sweep_rows(options, None, 0, torch.device("cpu"))
-    # Graph-replayed only: the eager calls are not timed at all.
-    assert measured == [(tokens, budget, senders, False, None) for tokens in (128, 4096) for budget in (24, 16)
-                        for senders in (8, 24)]
-    assert [(r.tokens, r.sm_budget, r.num_senders, r.mode, r.dispatch_us) for r in rows] == [
-        (tokens, budget, senders, "graph (sm_budget sweep)", 10.0 * senders)
-        for tokens in (128, 4096) for budget in (24, 16) for senders in (8, 24)]
+    # Graph-replayed only (the eager calls are not timed at all), both layouts side by side at every point
+    # whatever --receive-layout says.
+    points = [(tokens, budget, senders) for tokens in (128, 4096) for budget in (24, 16) for senders in (8, 24)]
+    assert measured == [(*point, False, None, layout) for point in points for layout in RECEIVE_LAYOUTS]
+    assert [(r.tokens, r.sm_budget, r.num_senders, r.layout, r.mode, r.dispatch_us, r.step_us) for r in rows] == [
+        (tokens, budget, senders, layout, "graph (sm_budget sweep)", 10.0 * senders, 10.0 * senders + 7.0)
+        for tokens, budget, senders in points for layout in RECEIVE_LAYOUTS]
     # Without --sweep-senders each budget is timed once, at --num-senders.
     measured.clear()
     options = bench._options(bench._parser().parse_args(["--sweep-budget", "24", "--num-senders", "12"]), gpus=1)
-    assert [row.num_senders for row in bench._budget_sweep_rows(options, None, 0, torch.device("cpu"))] == [12, 12]
+    assert [row.num_senders for row in bench._budget_sweep_rows(options, None, 0, torch.device("cpu"))] == [12] * 4
     # With --fp8 FP8 dispatch is timed at every point too, beside bf16.
     measured.clear()
     args = bench._parser().parse_args(["--sweep-budget", "24", "--sweep-senders", "8", "24", "--fp8"])
     rows = bench._budget_sweep_rows(bench._options(args, gpus=1), None, 0, torch.device("cpu"))
-    assert [(r.tokens, r.num_senders, r.system) for r in rows] == [
-        (tokens, senders, system) for tokens in (128, 4096) for senders in (8, 24)
-        for system in ("moe_comm", "moe_comm fp8 dispatch")]
-    assert [dtype for *_, dtype in measured] == [None, "float8_e4m3fn"] * 4
+    assert [(r.tokens, r.num_senders, r.system, r.layout) for r in rows] == [
+        (tokens, senders, system, layout) for tokens in (128, 4096) for senders in (8, 24)
+        for system in ("moe_comm", "moe_comm fp8 dispatch") for layout in RECEIVE_LAYOUTS]
+    assert [dtype for *_, dtype, _ in measured] == [None, None, "float8_e4m3fn", "float8_e4m3fn"] * 4
+
+
+def test_overlap_times_every_budget_in_every_layout_on_gpus_only(monkeypatch):
+    measured = []
+
+    def measure(options, work, group, sm_budget, receive_layout):
+        measured.append((work, sm_budget, receive_layout))
+        return bench.Row(system="overlap", mode="graph", tokens=work, routing="uniform", layout=receive_layout,
+                         sm_budget=sm_budget)
+
+    monkeypatch.setattr(bench, "_Workload", lambda options, num_tokens, routing, rank, device: num_tokens)
+    monkeypatch.setattr(bench, "_measure_overlap", measure)
+    options = bench._options(bench._parser().parse_args(["--overlap", "24", "8"]), gpus=1)
+    rows = bench._overlap_rows(options, None, 0, torch.device("cuda", 0))
+    assert measured == [(4096, budget, layout) for budget in (24, 8) for layout in RECEIVE_LAYOUTS]
+    assert [(row.sm_budget, row.layout) for row in rows] == [(budget, layout) for budget in (24, 8)
+                                                             for layout in RECEIVE_LAYOUTS]
+    assert bench._overlap_rows(options, None, 0, torch.device("cpu")) == []
 
 
 def test_overlap_rows_keep_their_times_and_get_their_own_table(monkeypatch):
     # One rank: the gather hands back this rank's rows.
     monkeypatch.setattr(bench.dist, "all_gather_object", lambda out, rows, group=None: out.__setitem__(0, rows))
-    times = {"comm_us": 400.0, "gemm_whole_us": 1200.0, "gemm_us": 1400.0, "both_us": 1500.0, "hidden": 0.75,
-             "hidden_vs_whole": 0.25}
-    row = asdict(bench.Row(system="overlap", mode="graph", tokens=4096, routing="uniform", total_us=1500.0,
-                           sm_budget=24, note="GEMM 8192^3 bf16", extra={"combine_error": None, **times}))
+    times = {"comm_us": 400.0, "step_us": 700.0, "compute_whole_us": 1200.0, "compute_us": 1400.0, "both_us": 1500.0,
+             "hidden": 0.75, "hidden_vs_whole": 0.25}
+    row = asdict(bench.Row(system="overlap", mode="graph", tokens=4096, routing="uniform", layout="token_major",
+                           total_us=1500.0, step_us=700.0, sm_budget=24, note="GEMM 8192^3 bf16",
+                           extra={"combine_error": None, **times}))
     (merged,) = bench._average_over_ranks([row], 0, 1, None)
     assert merged["extra"] == {"combine_error": None, **times}
     table = bench.markdown_table([merged])
-    assert "| 4096 | 24 | 400.0 | 1200.0 | 1400.0 | 1500.0 | 75% | 25% | GEMM 8192^3 bf16 |" in table
+    assert "| token_major | 4096 | 24 | 400.0 | 700.0 | 1200.0 | 1400.0 | 1500.0 | 75% | 25% | GEMM 8192^3 bf16 |" \
+        in table
 
 
 def _run_script(name: str, args: list, tmp_path, hide_gpus: bool) -> subprocess.CompletedProcess:

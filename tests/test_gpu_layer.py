@@ -38,10 +38,14 @@ WORLD = 2
 # Config name -> (overrides, scenarios). grouped_mm is the fast path (bf16 on sm_90/sm_100);
 # loop is the fallback, run in float32 (where it is the only choice) and in bf16 (the same
 # dtype as grouped_mm, against the reference only: the graphs are the same code in both dtypes).
+# The token-major layout (training's, beside the GEMMs) runs the fast path and the captured training
+# step: its permute and unpermute inside the graph, forward and backward.
 LAYER_CONFIGS = {
     "bfloat16-grouped_mm": (dict(dtype="bfloat16", expert_impl="grouped_mm"), ("reference", "train", "decode")),
     "float32-loop": (dict(dtype="float32", expert_impl="loop"), ("reference", "train", "decode")),
     "bfloat16-loop": (dict(dtype="bfloat16", expert_impl="loop"), ("reference",)),
+    "bfloat16-grouped_mm-token_major": (dict(dtype="bfloat16", expert_impl="grouped_mm", receive_layout="token_major"),
+                                        ("reference", "train")),
 }
 # Graph against eager: the same arithmetic, so tighter than the reference's bf16 tolerance.
 GRAPH_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}

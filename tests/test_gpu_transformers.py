@@ -90,11 +90,11 @@ def _captured_decode(device: torch.device, rank: int, options: dict) -> dict:
     return dict(replay_errors=errors, step_change=step_change)
 
 
-def _rank_main(rank: int, world: int, backend_id: str) -> dict:
+def _rank_main(rank: int, world: int, backend_id: str, receive_layout: str) -> dict:
     backend, section = GPU_BACKENDS[backend_id]
     device = torch.device("cuda", rank % torch.cuda.device_count())
     torch.cuda.set_device(device)
-    options = dict(backend=backend, **section)
+    options = dict(backend=backend, receive_layout=receive_layout, **section)
     results = {arch: compare_with_unmodified(build_model(arch), rank, TOKENS, device, torch.float32,
                                              max_tokens_per_rank=8, **options) for arch in ARCHS}
     results["bf16"] = {arch: compare_with_unmodified(build_model(arch, layers=1), rank, TOKENS, device,
@@ -108,11 +108,13 @@ def _rank_main(rank: int, world: int, backend_id: str) -> dict:
 # test_gpu_dispatch's, at every world size): one backend, at world 2, where tokens cross ranks. A world
 # of 1 runs the same integration code with nothing to exchange: the case this test ran besides cost
 # ~20 s of the GPU suite and checked nothing that world 2 and test_gpu_dispatch's world 1 do not.
+# Both receive layouts: token-major permutes and unpermutes around the same experts' calls.
+@pytest.mark.parametrize("receive_layout", ["expert_major", "token_major"])
 @pytest.mark.parametrize("backend_id, world", [("vmm", 2)])
-def test_expert_parallel_transformers_on_gpu(backend_id, world, requires_gpus):
+def test_expert_parallel_transformers_on_gpu(backend_id, world, receive_layout, requires_gpus):
     gpus = requires_gpus(gpus_needed(backend_id, world))
-    per_rank = run_ranks(_rank_main, world, backend_id, reuse=backend_id, dist_backend=dist_backend_for(world, gpus),
-                         gpu=True, timeout_s=400)
+    per_rank = run_ranks(_rank_main, world, backend_id, receive_layout, reuse=backend_id,
+                         dist_backend=dist_backend_for(world, gpus), gpu=True, timeout_s=400)
     for rank, results in enumerate(per_rank):
         for arch in ARCHS:
             result = results[arch]

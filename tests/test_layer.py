@@ -22,6 +22,7 @@ from layer_checks import BASE, FFN, TOLERANCE, assert_within, gather, layer_erro
 from multirank import run_ranks
 from requirements import missing
 from segments import padding_rows
+from token_major_checks import differing_tensors
 
 # DeepSeek-V3's router on 8 experts: sigmoid scores, 4 groups of 2 of which each token keeps 2,
 # a selection bias (aux-loss-free balancing), renormalised weights scaled by 2.5.
@@ -228,6 +229,28 @@ def _unwritten_padding(rank, world_size, backend):
     return results
 
 
+def _layouts_bitwise(rank, world_size, backend) -> list[str]:
+    """The bfloat16_all_features scenario's layers once on an expert-major and once on a token-major
+    Dispatcher (the same seeds, tokens and upstream): the names of the tensors that differ in any bit
+    (output, balancing loss, the input's and every parameter's gradient)."""
+    overrides, _, shape, num_layers, shared_ffn_hidden = SCENARIOS["bfloat16_all_features"]
+    runs = []
+    for layout in ("expert_major", "token_major"):
+        cfg = load_config(None, backend=backend, receive_layout=layout, **{**BASE, **overrides})
+        with Dispatcher(cfg) as disp:
+            model = torch.nn.Sequential(*(MoELayer(cfg, FFN, dispatcher=disp, seed=7 + i,
+                                                   shared_ffn_hidden=shared_ffn_hidden) for i in range(num_layers)))
+            gen = torch.Generator().manual_seed(1000 + rank)
+            x = torch.randn(*shape, cfg.hidden, generator=gen).to(cfg.torch_dtype).requires_grad_()
+            upstream = torch.randn(*shape, cfg.hidden, generator=gen)
+            z = model(x)
+            aux_loss = moe_aux_loss(model)
+            (aux_loss + (z.float() * upstream).sum()).backward()
+            runs.append({"output": z, "aux_loss": aux_loss, "grad x": x.grad,
+                         **{f"grad {name}": param.grad for name, param in model.named_parameters()}})
+    return differing_tensors(*runs)
+
+
 def _layer_repr(backend):
     with MoELayer(load_config(None, backend=backend, dtype="float32", **BASE), FFN) as layer:
         return repr(layer)
@@ -240,6 +263,7 @@ def _all_scenarios(rank, world_size, backend, names):
     results["weights"] = _given_weights(rank, world_size, backend)
     results["balancing"] = _balancing_state(rank, world_size, backend)
     results["unwritten_padding"] = _unwritten_padding(rank, world_size, backend)
+    results["layouts_differ_in"] = _layouts_bitwise(rank, world_size, backend)
     return results
 
 
@@ -292,6 +316,8 @@ def _check(per_rank: list, names) -> None:
         assert unwritten["padding_rows"] > 0 and unwritten["padding_nan"], unwritten
         assert "MoELayer: config key 'zero_padding' is false" in unwritten["grad_error"]
         assert "torch.no_grad()" in unwritten["grad_error"]
+        # receive_layout token_major: the same bits as expert_major, forward and backward.
+        assert results["layouts_differ_in"] == [], f"rank {rank}: {results['layouts_differ_in']}"
 
 
 # World 1 keeps every expert local (no exchange); world 2 moves tokens between ranks. One

@@ -18,6 +18,7 @@ from hf_models import ARCHS, VOCAB, PlainExperts, build_model, compare_with_unmo
 from moe_comm import ConfigError, InputError, load_config  # noqa: E402
 from moe_comm.integrations.transformers import expert_parallel  # noqa: E402
 from multirank import run_ranks  # noqa: E402
+from token_major_checks import differing_tensors  # noqa: E402
 
 WORLD = 2
 # 2 x 8 tokens a rank with max_tokens_per_rank 8: every experts forward makes two dispatch/combine pairs.
@@ -67,6 +68,31 @@ def test_expert_parallel_model_with_fp8_dispatch_trains_close_to_unmodified():
         assert result["calls"] == 4 and result["kept"], f"rank {rank}: {result}"
         assert 0 < result["logits"] < 0.008, f"rank {rank}: {result}"
         assert 0 < result["grads"][0] < 0.15, f"rank {rank}: {result}"
+
+
+def _rank_layouts(rank: int, world: int) -> dict:
+    """Per arch (the experts interface's path, and an adapted block's), the names of the tensors (logits and
+    every parameter's gradient) that differ in any bit between the model made expert-parallel with
+    ``receive_layout`` expert_major and with token_major."""
+    differ = {}
+    for arch in ("qwen3_moe", "llama4_text"):
+        runs = []
+        for layout in ("expert_major", "token_major"):
+            model = expert_parallel(build_model(arch), backend="reference", max_tokens_per_rank=MAX_TOKENS,
+                                    receive_layout=layout)
+            input_ids = torch.randint(0, VOCAB, TOKENS, generator=torch.Generator().manual_seed(rank))
+            logits = model(input_ids).logits
+            (logits.float() ** 2).mean().backward()
+            runs.append({"logits": logits, **{name: param.grad for name, param in model.named_parameters()}})
+            model.moe_comm_dispatcher.close()
+        differ[arch] = differing_tensors(*runs)
+    return differ
+
+
+def test_token_major_layout_gives_the_expert_major_bits():
+    # Batch slices of MAX_TOKENS (two per forward), forward and backward.
+    for rank, differ in enumerate(run_ranks(_rank_layouts, WORLD, timeout_s=120)):
+        assert differ == {"qwen3_moe": [], "llama4_text": []}, f"rank {rank}: {differ}"
 
 
 def _rank_meta_device(rank: int, world: int) -> float:

@@ -85,3 +85,11 @@ def assert_token_rows(out_tm, rank: int, world: int, max_tokens: int, xs: list) 
         for t in range(x.shape[0]):
             if bool((ids[s * max_tokens + t] >= 0).any()):
                 assert torch.equal(rows[s * max_tokens + t].view(torch.uint8), x[t].cpu().view(torch.uint8)), (s, t)
+
+
+def differing_tensors(expert_major: dict, token_major: dict) -> list[str]:
+    """The names whose tensors differ in any bit between two runs, one per layout (``name -> tensor or None``,
+    e.g. an output and every parameter's gradient; a gradient that only one run has differs too)."""
+    return [name for name, tensor in expert_major.items()
+            if (tensor is None) != (token_major[name] is None)
+            or (tensor is not None and not torch.equal(tensor, token_major[name]))]

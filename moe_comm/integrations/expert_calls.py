@@ -15,6 +15,7 @@ from torch import nn
 from ..dispatcher import Dispatcher
 from ..errors import InputError
 from ..nn.experts import check_padding_for_gradients
+from ..nn.receive_layout import combine_rows, expert_rows
 
 __all__ = ["segmented_linear", "check_experts_call", "dispatched"]
 
@@ -62,6 +63,9 @@ def dispatched(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torc
                first_slice: int = 0) -> torch.Tensor:
     """``hidden_states [T, H]`` -> dispatch -> ``local_experts(rows [N, H], offsets [E_local])`` -> combine -> ``[T, H]``.
 
+    In either receive layout ``local_experts`` gets expert-major rows (token-major: permuted from dispatch's,
+    its outputs unpermuted for combine: :mod:`moe_comm.nn.receive_layout`).
+
     ``module``: the module made expert-parallel (its ``_moe_comm_dispatcher`` and ``_moe_comm_call_site``).
     ``top_k_index`` ``[T, K]`` global expert ids, ``top_k_weights`` ``[T, K]`` (any float dtype: the
     combine weights). ``local_experts`` returns ``[N, H]`` (rows past the last segment zero).
@@ -76,8 +80,9 @@ def dispatched(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torc
             dispatcher.split_batch(hidden_states, top_k_index, top_k_weights)):
         out = dispatcher.dispatch(tokens.contiguous(), topk_idx.contiguous(), topk_weights.float().contiguous(),
                                   call_tag=dispatcher.call_tag(module._moe_comm_call_site, first_slice + i))
+        rows = expert_rows(dispatcher, out)
         # FP8 dispatch (dispatch_dtype): the experts run on the dequantized rows (differentiable straight through).
-        rows = local_experts(dispatcher.dequantize(out), out.expert_offsets)
-        pieces.append(dispatcher.combine(rows.contiguous(), out.handle))
+        y = local_experts(dispatcher.dequantize(rows), rows.expert_offsets)
+        pieces.append(dispatcher.combine(combine_rows(dispatcher, y.contiguous(), out), out.handle))
     combined = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
     return combined.to(hidden_states.dtype)

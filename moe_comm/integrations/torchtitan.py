@@ -29,9 +29,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import Config, load_config
-from ..dispatcher import DispatchHandle, Dispatcher
+from ..dispatcher import Dispatcher, DispatchOutput, TokenMajorOutput
 from ..errors import ConfigError, InputError
 from ..nn.experts import check_padding_for_gradients
+from ..nn.receive_layout import combine_rows, expert_rows
 
 try:
     from torchtitan.config import override
@@ -78,6 +79,10 @@ class MoECommTokenDispatcher(BaseEPTokenDispatcher):
     ``GroupedExperts`` takes of them is moe_comm's ``expert_offsets``, so the zero rows add nothing
     to the outputs or the weights' gradients, and rows past the last segment are in no group.
     Nothing is read on the host. With no EP mesh (EP = 1) it is torchtitan's local dispatcher.
+
+    With moe_comm's ``receive_layout: token_major`` the experts still get expert-major rows: ``dispatch``
+    permutes the token-major rows it receives and ``combine`` unpermutes the experts' outputs before
+    combining them (:mod:`moe_comm.nn.receive_layout`), the same bits as the expert-major layout.
     """
 
     @dataclasses.dataclass(kw_only=True, slots=True)
@@ -144,8 +149,8 @@ class MoECommTokenDispatcher(BaseEPTokenDispatcher):
         topk_scores_TK: torch.Tensor,
         topk_expert_ids_TK: torch.Tensor,
         num_local_tokens_per_expert_E: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, Union[DispatchHandle, Any]]:
-        """Send every token to the ranks of its experts; rows come back expert-major.
+    ) -> tuple[torch.Tensor, torch.Tensor, Union[DispatchOutput, TokenMajorOutput, Any]]:
+        """Send every token to the ranks of its experts; rows come back expert-major (token-major: permuted here).
 
         Args:
             x_TD: ``[T, D]`` tokens in moe_comm's ``dtype``, ``T <= num_max_tokens_per_rank``, on this rank's device.
@@ -156,7 +161,8 @@ class MoECommTokenDispatcher(BaseEPTokenDispatcher):
 
         Returns:
             ``routed_input_RD [capacity_rows, D]``, ``num_tokens_per_local_expert_e [E / EP]`` int32 segment
-            sizes (padding included; their sum is at most ``capacity_rows``) and the handle ``combine`` takes.
+            sizes (padding included; their sum is at most ``capacity_rows``) and the metadata ``combine`` takes:
+            moe_comm's dispatch output (its handle and, token-major, what the unpermute reads).
         """
         if self.ep_mesh is None:
             return LocalTokenDispatcher.dispatch(self, x_TD, topk_scores_TK, topk_expert_ids_TK,
@@ -172,21 +178,23 @@ class MoECommTokenDispatcher(BaseEPTokenDispatcher):
         check_padding_for_gradients(config, (x_TD,), "MoECommTokenDispatcher")
         out = dispatcher.dispatch(x_TD.contiguous(), topk_expert_ids_TK.contiguous(),
                                   topk_scores_TK.float().contiguous(), call_tag=dispatcher.call_tag(self._call_site))
-        offsets = out.expert_offsets
+        rows = expert_rows(dispatcher, out)
+        offsets = rows.expert_offsets
         segment_rows = torch.diff(offsets, prepend=offsets.new_zeros(1))
-        return out.x, segment_rows, out.handle
+        return rows.x, segment_rows, out
 
-    def combine(self, routed_output_RD: torch.Tensor, metadata: Union[DispatchHandle, Any],
+    def combine(self, routed_output_RD: torch.Tensor, metadata: Union[DispatchOutput, TokenMajorOutput, Any],
                 x_TD: torch.Tensor) -> torch.Tensor:
         """Bring the experts' outputs back and sum them with the router weights: ``[T, D]`` in x_TD's dtype.
 
         Args:
             routed_output_RD: ``[capacity_rows, D]`` the experts' outputs in dispatch's layout.
-            metadata: dispatch's handle. x_TD: the dispatched tokens (for the EP = 1 path's shape).
+            metadata: what dispatch returned for it. x_TD: the dispatched tokens (for the EP = 1 path's shape).
         """
         if self.ep_mesh is None:
             return LocalTokenDispatcher.combine(self, routed_output_RD, metadata, x_TD)
-        return self._live_dispatcher().combine(routed_output_RD.contiguous(), metadata)
+        dispatcher = self._live_dispatcher()
+        return dispatcher.combine(combine_rows(dispatcher, routed_output_RD.contiguous(), metadata), metadata.handle)
 
 
 @override(target=RoutedExperts.Config, description="moe_comm token dispatcher (trains and captures in one path)")

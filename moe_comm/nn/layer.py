@@ -2,7 +2,9 @@
 
 forward: route (float32, :mod:`moe_comm.nn.router`) -> ``dispatch`` -> SwiGLU experts on the
 expert-major rows (:mod:`moe_comm.nn.experts`) -> ``combine`` -> ``[..., H]``, plus the optional
-shared experts on the local tokens. Gradients reach the input, the router weight (through the
+shared experts on the local tokens. With the config's ``receive_layout: token_major`` the experts'
+rows are permuted from dispatch's and unpermuted for combine (:mod:`moe_comm.nn.receive_layout`):
+the same bits, forward and backward. Gradients reach the input, the router weight (through the
 top-k weights and the balancing losses) and the expert weights. A batch of more than
 ``max_tokens_per_rank`` tokens is routed at once and sent in batch slices (one dispatch/combine pair each).
 Load balancing (:mod:`moe_comm.nn.balancing`): the losses the config enables are recorded on the
@@ -38,6 +40,7 @@ from ..dispatcher import Dispatcher
 from ..errors import ConfigError, InputError
 from .experts import (check_padding_for_gradients, grouped_experts, masked_experts, resolve_expert_impl, shared_expert,
                       sliced_experts)
+from .receive_layout import combine_rows, expert_rows
 from .router import RouterOutput, route, select_experts
 
 __all__ = [
@@ -419,13 +422,17 @@ class MoELayer(nn.Module):
                                   topk_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One dispatch -> experts -> combine of at most ``max_tokens_per_rank`` tokens (batch slice
         ``batch_slice`` of the forward): ``[T, H]`` and ``tokens_per_expert``."""
+        disp = self.dispatcher
+        # The phases hold what each layout does between the tokens and the experts' rows (token-major: the
+        # permute too), and back: moe-comm run's dispatch and combine times compare across layouts.
         with self._phase("dispatch"):
-            out = self.dispatcher.dispatch(tokens, topk_idx, topk_weights,
-                                           call_tag=Dispatcher.call_tag(self._call_site, batch_slice))
+            out = disp.dispatch(tokens, topk_idx, topk_weights,
+                                call_tag=Dispatcher.call_tag(self._call_site, batch_slice))
+            rows = expert_rows(disp, out)
         # FP8 dispatch: the experts run on the dequantized rows (gradients straight through, see Dispatcher.dequantize).
-        y = self.experts(self.dispatcher.dequantize(out), out.expert_offsets)
+        y = self.experts(disp.dequantize(rows), rows.expert_offsets)
         with self._phase("combine"):
-            z = self.dispatcher.combine(y.contiguous(), out.handle)
+            z = disp.combine(combine_rows(disp, y.contiguous(), out), out.handle)
         return z, out.tokens_per_expert
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,12 @@ H=7168, top-8 of 256, bf16 GEMM 8192^3 beside dispatch+combine at ``sm_budget: 2
 communication was hidden; with cuBLASLt and a carveout of 24 SMs both took 1802 us against
 1012 + 1425 us one after the other on the whole device (the GEMM alone on the 108 SMs it is
 left: 1739 us), 63% of the communication hidden (94% against that same GEMM run after it).
+
+The budget bounds only dispatch's and combine's kernels. The token-major layout's
+``Dispatcher.permute`` and ``Dispatcher.unpermute`` are local kernels with every SM: compute-stream
+work like the experts' GEMMs. The guide's recipe (``docs/guide.md``, "Sharing the GPU") runs dispatch
+and combine on a communication stream and the permute, the experts and the unpermute on the compute
+stream between a wait for dispatch and one before combine.
 """
 
 from __future__ import annotations
@@ -28,8 +34,9 @@ def gemm_sm_carveout(num_sms: int) -> Iterator[None]:
     """Within the block, torch's matmuls leave ``num_sms`` SMs free (cuBLASLt with an SM carveout).
 
     Process-wide while it lasts (every matmul of every stream, eager or captured: a CUDA graph
-    captured inside keeps the carveout), restored on exit. Pass the config's ``sm_budget``. Both
-    torch settings it uses are experimental in torch (``preferred_blas_library``,
+    captured inside keeps the carveout), restored on exit. Pass the config's ``sm_budget``. It changes
+    only cuBLAS's matmuls: moe_comm's own kernels (the token-major permute and unpermute too) keep their
+    grids. Both torch settings it uses are experimental in torch (``preferred_blas_library``,
     ``_set_sm_carveout_experimental``).
 
     Raises:

@@ -26,6 +26,12 @@ process already uses another symmetric-memory provider (moe_comm's ``nccl`` symm
 transport). Every system's combine result is checked once per workload against the expected
 ``sum_k w_k x_t``.
 
+moe_comm's rows say their receive layout (``--receive-layout``, the config's; the budget sweep and the
+overlap time both layouts side by side) and give two times of a step: dispatch+combine, the
+communication kernels alone (combine takes the rows an earlier step's identity experts left it:
+expert-major the experts' rows, token-major the reduced rows), and the whole step (dispatch, identity
+experts, combine; token-major with the permute and unpermute around the experts).
+
 Bandwidth is reported two ways: bytes that cross the link (rows sent to other ranks) and bytes
 received including the rank's own rows (the convention DeepEP reports).
 
@@ -49,11 +55,12 @@ import torch.distributed as dist
 
 from ..agreement import agree
 from .baselines import HostSplitAllToAll, PaddedAllToAll, SymmMemAllToAll2d
-from ..config import DTYPES, Config, load_config
+from ..config import DTYPES, RECEIVE_LAYOUTS, Config, load_config
 from ..errors import ConfigError
 from ..dispatcher import Dispatcher
 from ..errors import BackendError
 from ..nn.overlap import gemm_sm_carveout
+from ..nn.receive_layout import combine_rows, expert_rows
 from ..fp8 import packed_row_bytes, quantize
 
 __all__ = ["BenchOptions", "bench_rank", "write_results", "main"]
@@ -106,6 +113,8 @@ class BenchOptions:
     point of the budget sweep (rows ``moe_comm fp8 dispatch``: the kernels quantize the bf16 rows;
     bytes are the packed e4m3 rows with their scales), and on every workload from a pre-quantized
     pair (rows ``moe_comm fp8 dispatch, pre-quantized``: the input DeepEP's FP8 dispatch takes).
+    receive_layout: the config's, of the workloads' moe_comm rows (the budget sweep and the overlap time
+    every layout).
     """
 
     tokens: tuple = (1, 32, 128, 512, 1024, 4096)
@@ -130,19 +139,26 @@ class BenchOptions:
     overlap_tokens: int = 4096
     overlap_gemm: int = 8192
     fp8: bool = False
+    receive_layout: str = Config.receive_layout
 
 
 @dataclass
 class Row:
-    """One measured (system, mode, workload): times in microseconds, bandwidths in GB/s."""
+    """One measured (system, mode, workload): times in microseconds, bandwidths in GB/s.
+
+    layout: moe_comm's receive layout (None for the baselines). total_us: dispatch+combine (moe_comm: the
+    communication kernels alone); step_us: moe_comm's whole step with identity experts.
+    """
 
     system: str
     mode: str
     tokens: int
     routing: str
+    layout: Optional[str] = None
     dispatch_us: Optional[float] = None
     combine_us: Optional[float] = None
     total_us: Optional[float] = None
+    step_us: Optional[float] = None
     cross_gbps: Optional[float] = None
     received_gbps: Optional[float] = None
     num_senders: Optional[int] = None
@@ -244,11 +260,14 @@ def _host_loop_us() -> float:
 
 
 def _eager_times(timer: _Timer, dispatch: Callable[[], None], combine: Callable[[], None],
-                 step: Callable[[], None]) -> tuple[dict, float]:
-    """Eager medians of ``dispatch``, ``combine`` and ``step`` (``EAGER_CALLS`` calls back to back
-    each), and the slowest of the host loop times (:func:`_host_loop_us`) taken right after each."""
+                 both: Callable[[], None], step: Optional[Callable[[], None]] = None) -> tuple[dict, float]:
+    """Eager medians of ``dispatch``, ``combine``, ``both`` (dispatch+combine) and, when given, ``step`` (the
+    whole step) (``EAGER_CALLS`` calls back to back each), and the slowest of the host loop times
+    (:func:`_host_loop_us`) taken right after each."""
     times, loops = {}, []
-    for key, run in (("dispatch_us", dispatch), ("combine_us", combine), ("total_us", step)):
+    for key, run in (("dispatch_us", dispatch), ("combine_us", combine), ("total_us", both), ("step_us", step)):
+        if run is None:
+            continue
         times[key] = timer.median_us(run, _no_prepare, calls=EAGER_CALLS)
         loops.append(_host_loop_us())
     return times, max(loops)
@@ -324,55 +343,58 @@ def _no_prepare(i: int) -> None:
     """Nothing to set up before a measurement (eager calls rotate their inputs themselves)."""
 
 
-def _expert_rows(disp: Dispatcher, out) -> torch.Tensor:
-    """Identity experts: the dispatched rows in the config dtype (FP8 rows dequantized)."""
-    return disp.dequantize(out)
+def _combine_input(disp: Dispatcher, out) -> torch.Tensor:
+    """What combine takes after identity experts on the dispatch output ``out``: the experts' rows (token-major:
+    permuted) in the config dtype (FP8 rows dequantized), which are their outputs too; token-major, reduced
+    by the unpermute."""
+    return combine_rows(disp, disp.dequantize(expert_rows(disp, out)), out)
 
 
 def _moe_comm_step(disp: Dispatcher, inputs: tuple, fixed_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Dispatch ``inputs`` (x, topk_idx, topk_weights), identity experts, combine: ``z [T, H]``.
 
-    ``fixed_rows``: the experts' output rows ``[capacity_rows, H]`` to combine instead of this
-    dispatch's rows (FP8 dispatch: the rows of an earlier call, dequantized once, so the timed step
-    is the communication and not the identity experts' dequantization pass)."""
+    ``fixed_rows``: the rows to combine instead of this dispatch's identity experts' (those of an earlier
+    call), so that the step is the communication kernels alone: no permute or unpermute, no FP8 rows'
+    dequantization pass (an expert GEMM that takes FP8 would hand combine its own output)."""
     out = disp.dispatch(*inputs)
-    return disp.combine(_expert_rows(disp, out) if fixed_rows is None else fixed_rows, out.handle)
+    return disp.combine(_combine_input(disp, out) if fixed_rows is None else fixed_rows, out.handle)
 
 
 def _config(options: BenchOptions, max_tokens: int, sm_budget: Optional[int], dispatch_dtype: Optional[str] = None,
-            num_senders: Optional[int] = None):
-    """The config of a measurement of at most ``max_tokens`` tokens a rank (``num_senders`` None: ``options``')."""
+            num_senders: Optional[int] = None, receive_layout: Optional[str] = None):
+    """The config of a measurement of at most ``max_tokens`` tokens a rank (``num_senders`` and
+    ``receive_layout`` None: ``options``')."""
     return load_config(
         None, backend=options.backend, num_experts=options.num_experts, topk=options.topk, hidden=options.hidden,
         max_tokens_per_rank=max(max_tokens, 1), dtype=options.dtype,
         num_senders=options.num_senders if num_senders is None else num_senders,
         sm_budget=sm_budget, dispatch_dtype=dispatch_dtype, slab_copies=options.slab_copies,
         expert_alignment=options.expert_alignment, zero_padding=options.zero_padding,
+        receive_layout=options.receive_layout if receive_layout is None else receive_layout,
     )
 
 
 def _measure_moe_comm(options: BenchOptions, work: _Workload, group, sm_budget: Optional[int],
-                      dispatch_dtype: Optional[str] = None, num_senders: Optional[int] = None, eager: bool = True) -> dict:
+                      dispatch_dtype: Optional[str] = None, num_senders: Optional[int] = None, eager: bool = True,
+                      receive_layout: Optional[str] = None) -> dict:
     """Times (per mode: eager, and graph-replayed on CUDA), the combine error and the bytes of one
     workload on moe_comm.
 
     ``dispatch_dtype``: the config's (FP8 dispatch quantizes the bf16 inputs inside the timed
-    dispatch; the identity experts dequantize, outside the timed steps: dispatch+combine combines
-    the rows of the first call, dequantized once, as an expert GEMM that takes FP8 would hand
-    combine its own output).
-    ``num_senders``: the senders (None: ``options.num_senders``).
+    dispatch; the identity experts dequantize, in the whole step only).
+    ``num_senders``, ``receive_layout``: the config's (None: ``options``').
     ``eager``: False leaves the eager calls untimed (the budget sweep's rows are graph-replayed only).
+    Combine alone, and dispatch+combine, combine the rows of the first call's identity experts.
     """
-    cfg = _config(options, work.source_x.shape[0], sm_budget, dispatch_dtype, num_senders)
+    cfg = _config(options, work.source_x.shape[0], sm_budget, dispatch_dtype, num_senders, receive_layout)
     result = {}
     with Dispatcher(cfg, group=group) as disp:
         timer = _Timer(disp.device, group, options.repeats, options.warmup)
         work.load(0)
         x, weights = work.source_x, work.static[2]
         out = disp.dispatch(*work.static)
-        expert_rows = _expert_rows(disp, out)
-        result["error"] = _close(disp.combine(expert_rows, out.handle), _expected(x, weights))
-        fixed_rows = None if dispatch_dtype is None else expert_rows
+        fixed_rows = _combine_input(disp, out)
+        result["error"] = _close(disp.combine(fixed_rows, out.handle), _expected(x, weights))
         routing = out.handle.routing
         others = torch.ones(disp.world_size, dtype=torch.bool, device=disp.device)
         others[disp.rank] = False
@@ -386,19 +408,22 @@ def _measure_moe_comm(options: BenchOptions, work: _Workload, group, sm_budget: 
             latest["out"] = disp.dispatch(*work.next_set())
 
         def eager_combine() -> None:
-            disp.combine(expert_rows, latest["out"].handle)
+            disp.combine(fixed_rows, latest["out"].handle)
 
         if eager:
             result["eager"], result["host_loop_us"] = _eager_times(
-                timer, eager_dispatch, eager_combine, lambda: _moe_comm_step(disp, work.next_set(), fixed_rows))
+                timer, eager_dispatch, eager_combine, lambda: _moe_comm_step(disp, work.next_set(), fixed_rows),
+                lambda: _moe_comm_step(disp, work.next_set()))
         if disp.device.type == "cuda":
             graph_d, graph_out = _graph(disp.device, lambda: disp.dispatch(*work.static))
-            graph_c, _ = _graph(disp.device, lambda: disp.combine(expert_rows, graph_out.handle))
+            graph_c, _ = _graph(disp.device, lambda: disp.combine(fixed_rows, graph_out.handle))
             graph_all, _ = _graph(disp.device, lambda: _moe_comm_step(disp, work.static, fixed_rows))
+            graph_step, _ = _graph(disp.device, lambda: _moe_comm_step(disp, work.static))
             result["graph"] = {
                 "dispatch_us": timer.median_us(graph_d.replay, work.load, replay=True),
                 "combine_us": timer.median_us(graph_c.replay, _no_prepare, replay=True),
                 "total_us": timer.median_us(graph_all.replay, work.load, replay=True),
+                "step_us": timer.median_us(graph_step.replay, work.load, replay=True),
             }
             result["late_share"] = timer.late_share
         disp.check()
@@ -445,53 +470,68 @@ def _measure_baseline(baseline, options: BenchOptions, work: _Workload, device: 
     return result
 
 
-def _measure_overlap(options: BenchOptions, work: _Workload, group, sm_budget: int) -> Row:
-    """Dispatch+combine (one CUDA graph) on a communication stream beside a bf16 GEMM on the compute
-    stream, both issued together: each alone, both, and the share of the communication hidden.
+def _measure_overlap(options: BenchOptions, work: _Workload, group, sm_budget: int, receive_layout: str) -> Row:
+    """The communication kernels (dispatch+combine, one CUDA graph) on a communication stream beside the
+    compute stream's work, both issued together: each alone, both, and the share of the communication hidden.
 
-    The GEMM leaves the budget's SMs to the communication (:func:`moe_comm.gemm_sm_carveout`, as
-    overlapped schedules must: cuBLAS's default path takes every SM). Two shares: ``hidden``, of
-    the shorter job against both run one after the other with the same carveout,
-    ``(comm + gemm - both) / min(comm, gemm)``, and ``hidden_vs_whole``, of the communication
-    against the serial schedule on the whole device, ``(comm + gemm_whole - both) / comm`` (what
-    overlapping saves over not overlapping at all). 1: fully hidden, 0: serial, < 0: slower.
+    The compute stream's work is a bf16 GEMM and, token-major, the permute and unpermute of an earlier
+    dispatch's rows (identity experts between them): the guide's recipe, where they run on the compute
+    stream with every SM, like the experts' GEMMs. The GEMM leaves the budget's SMs to the communication
+    (:func:`moe_comm.gemm_sm_carveout`, as overlapped schedules must: cuBLAS's default path takes every
+    SM). Two shares: ``hidden``, of the shorter job against both run one after the other with the same
+    carveout, ``(comm + compute - both) / min(comm, compute)``, and ``hidden_vs_whole``, of the
+    communication against the serial schedule on the whole device, ``(comm + compute_whole - both) / comm``
+    (what overlapping saves over not overlapping at all). 1: fully hidden, 0: serial, < 0: slower.
+    ``step_us``: the whole step (dispatch, identity experts, combine) alone at this budget.
     """
     device = work.static[0].device
     gen = torch.Generator().manual_seed(5)
     size = options.overlap_gemm
     a, b = (torch.randn(size, size, generator=gen).to(device, torch.bfloat16) for _ in range(2))
-    with Dispatcher(_config(options, work.source_x.shape[0], sm_budget), group=group) as disp:
+    cfg = _config(options, work.source_x.shape[0], sm_budget, receive_layout=receive_layout)
+    with Dispatcher(cfg, group=group) as disp:
         timer = _Timer(device, group, options.repeats, options.warmup)
-        _moe_comm_step(disp, work.static)
-        comm_graph, _ = _graph(device, lambda: _moe_comm_step(disp, work.static))
+        work.load(0)
+        earlier = disp.dispatch(*work.static)
+        fixed_rows = _combine_input(disp, earlier)
+        disp.combine(fixed_rows, earlier.handle)  # every call runs eagerly once before it is captured
+        comm_graph, _ = _graph(device, lambda: _moe_comm_step(disp, work.static, fixed_rows))
+        step_graph, _ = _graph(device, lambda: _moe_comm_step(disp, work.static))
+        # Expert-major, dispatch's rows are the experts' own: the compute stream has nothing of the layout's to run.
+        local_graph = _graph(device, lambda: _combine_input(disp, earlier))[0] if cfg.token_major else None
         comm = torch.cuda.Stream(device)
 
-        def gemm() -> None:
+        def compute() -> None:
+            if local_graph is not None:
+                local_graph.replay()
             torch.mm(a, b)
 
         def both() -> None:
-            compute = torch.cuda.current_stream()
-            comm.wait_stream(compute)
+            compute_stream = torch.cuda.current_stream()
+            comm.wait_stream(compute_stream)
             with torch.cuda.stream(comm):
                 comm_graph.replay()
-            gemm()
-            compute.wait_stream(comm)
+            compute()
+            compute_stream.wait_stream(comm)
 
-        gemm()
+        compute()
         times = {"comm_us": timer.median_us(comm_graph.replay, work.load, replay=True),
-                 "gemm_whole_us": timer.median_us(gemm, _no_prepare, replay=True)}
+                 "step_us": timer.median_us(step_graph.replay, work.load, replay=True),
+                 "compute_whole_us": timer.median_us(compute, _no_prepare, replay=True)}
         with gemm_sm_carveout(sm_budget):
-            gemm()
-            times["gemm_us"] = timer.median_us(gemm, _no_prepare, replay=True)
+            compute()
+            times["compute_us"] = timer.median_us(compute, _no_prepare, replay=True)
             times["both_us"] = timer.median_us(both, work.load, replay=True)
         disp.check()
-    shorter = min(times["comm_us"], times["gemm_us"])
-    times["hidden"] = (times["comm_us"] + times["gemm_us"] - times["both_us"]) / shorter
-    times["hidden_vs_whole"] = (times["comm_us"] + times["gemm_whole_us"] - times["both_us"]) / times["comm_us"]
-    note = _with_late_note(f"GEMM {size}^3 bf16, cuBLASLt leaving {sm_budget} SMs", timer.late_share)
-    return Row(system="overlap", mode="graph", tokens=work.static[0].shape[0], routing="uniform",
-               total_us=times["both_us"], num_senders=options.num_senders, sm_budget=sm_budget, note=note,
-               extra={"combine_error": None, "late_replay_share": timer.late_share, **times})
+    shorter = min(times["comm_us"], times["compute_us"])
+    times["hidden"] = (times["comm_us"] + times["compute_us"] - times["both_us"]) / shorter
+    times["hidden_vs_whole"] = (times["comm_us"] + times["compute_whole_us"] - times["both_us"]) / times["comm_us"]
+    local = " after the permute and unpermute" if cfg.token_major else ""
+    note = _with_late_note(f"GEMM {size}^3 bf16{local}, cuBLASLt leaving {sm_budget} SMs", timer.late_share)
+    return Row(system="overlap", mode="graph", tokens=work.static[0].shape[0], routing="uniform", layout=receive_layout,
+               total_us=times["both_us"], step_us=times["step_us"], num_senders=options.num_senders,
+               sm_budget=sm_budget, note=note, extra={"combine_error": None, "late_replay_share": timer.late_share,
+                                                      **times})
 
 
 def _joined(note: str, clause: str) -> str:
@@ -507,7 +547,8 @@ def _with_late_note(note: str, late_share: float) -> str:
 
 
 def _rows(system: str, measured: dict, num_tokens: int, routing: str, num_senders: Optional[int],
-          cross_bytes: float, received_bytes: float, sm_budget: Optional[int] = None) -> list[Row]:
+          cross_bytes: float, received_bytes: float, sm_budget: Optional[int] = None,
+          layout: Optional[str] = None) -> list[Row]:
     rows = []
     for mode in ("eager", "graph"):
         if mode not in measured:
@@ -522,7 +563,8 @@ def _rows(system: str, measured: dict, num_tokens: int, routing: str, num_sender
         if mode == "eager" and "host_loop_us" in measured:
             extra["host_loop_us"] = measured["host_loop_us"]
         rows.append(Row(
-            system=system, mode=mode, tokens=num_tokens, routing=routing, num_senders=num_senders, sm_budget=sm_budget,
+            system=system, mode=mode, tokens=num_tokens, routing=routing, layout=layout, num_senders=num_senders,
+            sm_budget=sm_budget,
             cross_gbps=cross_bytes / (dispatch_us * 1e3) if cross_bytes and dispatch_us else None,
             received_gbps=received_bytes / (dispatch_us * 1e3) if received_bytes and dispatch_us else None,
             note=note, extra=extra, **times,
@@ -578,9 +620,9 @@ def _unavailable_row(system: str, num_tokens: int, routing: str, reason: str) ->
 
 def _budget_sweep_rows(options: BenchOptions, group, rank: int, device: torch.device) -> list[Row]:
     """Graph-replayed rows (uniform routing) of each ``sm_budget`` of ``options.budget_sweep`` at each
-    of ``options.sweep_tokens``, once per ``num_senders`` of ``options.sender_sweep`` (default: ``num_senders``);
-    with ``options.fp8`` FP8 dispatch at each point too (its senders quantize, so their best number
-    differs from bf16's)."""
+    of ``options.sweep_tokens``, once per ``num_senders`` of ``options.sender_sweep`` (default: ``num_senders``),
+    in every receive layout; with ``options.fp8`` FP8 dispatch at each point too (its senders quantize,
+    so their best number differs from bf16's)."""
     systems = (("moe_comm", None),) + ((("moe_comm fp8 dispatch", "float8_e4m3fn"),) if options.fp8 else ())
     rows = []
     for num_tokens in options.sweep_tokens if options.budget_sweep else ():
@@ -588,14 +630,25 @@ def _budget_sweep_rows(options: BenchOptions, group, rank: int, device: torch.de
         for budget in options.budget_sweep:
             for senders in options.sender_sweep or (options.num_senders,):
                 for system, dispatch_dtype in systems:
-                    moe = _measure_moe_comm(options, work, group, budget, dispatch_dtype=dispatch_dtype,
-                                            num_senders=senders, eager=False)
-                    swept = _rows(system, moe, num_tokens, "uniform", senders, moe["cross_bytes"],
-                                  moe["received_bytes"], budget)
-                    for row in swept:
-                        row.mode = "graph (sm_budget sweep)"
-                    rows += swept
+                    for layout in RECEIVE_LAYOUTS:
+                        moe = _measure_moe_comm(options, work, group, budget, dispatch_dtype=dispatch_dtype,
+                                                num_senders=senders, eager=False, receive_layout=layout)
+                        swept = _rows(system, moe, num_tokens, "uniform", senders, moe["cross_bytes"],
+                                      moe["received_bytes"], budget, layout)
+                        for row in swept:
+                            row.mode = "graph (sm_budget sweep)"
+                        rows += swept
     return rows
+
+
+def _overlap_rows(options: BenchOptions, group, rank: int, device: torch.device) -> list[Row]:
+    """The overlap rows (:func:`_measure_overlap`) of each ``sm_budget`` of ``options.overlap_budgets`` in every
+    receive layout, at ``options.overlap_tokens`` (CUDA only: the other stream and the carveout are the GPU's)."""
+    if not options.overlap_budgets or device.type != "cuda":
+        return []
+    work = _Workload(options, options.overlap_tokens, "uniform", rank, device)
+    return [_measure_overlap(options, work, group, budget, layout)
+            for budget in options.overlap_budgets for layout in RECEIVE_LAYOUTS]
 
 
 def bench_rank(rank: int, world_size: int, options: BenchOptions) -> list[dict]:
@@ -609,17 +662,18 @@ def bench_rank(rank: int, world_size: int, options: BenchOptions) -> list[dict]:
             work = _Workload(options, num_tokens, routing, rank, device)
             # Sender blocks exist only in the device kernels: the CPU's reference backend has none.
             senders = options.num_senders if device.type == "cuda" else None
+            layout = options.receive_layout
             moe = _measure_moe_comm(options, work, group, options.sm_budget)
             rows += _rows("moe_comm", moe, num_tokens, routing, senders,
-                          moe["cross_bytes"], moe["received_bytes"], options.sm_budget)
+                          moe["cross_bytes"], moe["received_bytes"], options.sm_budget, layout)
             if options.fp8:
                 moe8 = _measure_moe_comm(options, work, group, options.sm_budget, dispatch_dtype="float8_e4m3fn")
                 rows += _rows("moe_comm fp8 dispatch", moe8, num_tokens, routing, options.num_senders,
-                              moe8["cross_bytes"], moe8["received_bytes"], options.sm_budget)
+                              moe8["cross_bytes"], moe8["received_bytes"], options.sm_budget, layout)
                 pairs = _measure_moe_comm(options, work.pre_quantized(), group, options.sm_budget,
                                           dispatch_dtype="float8_e4m3fn")
                 rows += _rows("moe_comm fp8 dispatch, pre-quantized", pairs, num_tokens, routing, options.num_senders,
-                              pairs["cross_bytes"], pairs["received_bytes"], options.sm_budget)
+                              pairs["cross_bytes"], pairs["received_bytes"], options.sm_budget, layout)
             if options.baselines and device.type == "cuda":
                 # The baselines move every assignment (no dedup): bytes are those moe_comm moves at best,
                 # so their bandwidth columns stay empty rather than compare unlike quantities.
@@ -637,9 +691,7 @@ def bench_rank(rank: int, world_size: int, options: BenchOptions) -> list[dict]:
             if rank == 0:
                 print(f"moe-comm bench: {routing} T={num_tokens} done", file=sys.stderr, flush=True)
     rows += _budget_sweep_rows(options, group, rank, device)
-    if options.overlap_budgets and device.type == "cuda":
-        work = _Workload(options, options.overlap_tokens, "uniform", rank, device)
-        rows += [_measure_overlap(options, work, group, budget) for budget in options.overlap_budgets]
+    rows += _overlap_rows(options, group, rank, device)
     return _with_host_loop_notes(_average_over_ranks([asdict(row) for row in rows], rank, world_size, group))
 
 
@@ -652,7 +704,7 @@ def _average_over_ranks(rows: list[dict], rank: int, world_size: int, group) -> 
     merged = []
     for per_rank in zip(*gathered):
         row = dict(per_rank[0])
-        for key in ("dispatch_us", "combine_us", "total_us", "cross_gbps", "received_gbps"):
+        for key in ("dispatch_us", "combine_us", "total_us", "step_us", "cross_gbps", "received_gbps"):
             values = [r[key] for r in per_rank if r[key] is not None]
             row[key] = sum(values) / len(values) if values else None
         errors = [r["extra"]["combine_error"] for r in per_rank if r["extra"]["combine_error"] is not None]
@@ -687,11 +739,12 @@ def _cell(value: Optional[float], digits: int = 1) -> str:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    """The results as a markdown table (one line per system, mode and workload)."""
+    """The results as a markdown table (one line per system, layout, mode and workload)."""
     lines = [
-        "| system | mode | routing | T | num_senders | sm_budget | dispatch us | combine us | dispatch+combine us | "
-        "dispatch GB/s (cross-link) | dispatch GB/s (received) | combine rel. error | note |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| system | layout | mode | routing | T | num_senders | sm_budget | dispatch us | combine us | "
+        "dispatch+combine us | whole step us | dispatch GB/s (cross-link) | dispatch GB/s (received) | "
+        "combine rel. error | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     overlap = [row for row in rows if row["system"] == "overlap"]
     for row in rows:
@@ -700,24 +753,26 @@ def markdown_table(rows: list[dict]) -> str:
         error = row["extra"]["combine_error"]
         note = row.get("note", "").replace("|", "/").replace("\n", " ")
         lines.append(
-            f"| {row['system']} | {row['mode']} | {row['routing']} | {row['tokens']} | {row['num_senders'] or '-'} | "
-            f"{row.get('sm_budget') or 'all'} | "
+            f"| {row['system']} | {row['layout'] or '-'} | {row['mode']} | {row['routing']} | {row['tokens']} | "
+            f"{row['num_senders'] or '-'} | {row.get('sm_budget') or 'all'} | "
             f"{_cell(row['dispatch_us'])} | {_cell(row['combine_us'])} | {_cell(row['total_us'])} | "
-            f"{_cell(row['cross_gbps'])} | {_cell(row['received_gbps'])} | "
+            f"{_cell(row['step_us'])} | {_cell(row['cross_gbps'])} | {_cell(row['received_gbps'])} | "
             f"{'-' if error is None else f'{error:.1e}'} | {note} |"
         )
     if overlap:
         lines += [
-            "", "Overlap: dispatch+combine (one graph) on a communication stream beside a GEMM on the compute stream",
-            "", "| T | sm_budget | comm alone us | GEMM alone us (whole device) | GEMM alone us (carveout) | both us | "
-            "shorter job hidden | comm hidden vs whole-device serial | note |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "", "Overlap: dispatch+combine (one graph) on a communication stream beside the compute stream's work: "
+            "a GEMM (token-major: after the permute and unpermute of an earlier step)",
+            "", "| layout | T | sm_budget | comm alone us | whole step alone us | compute alone us (whole device) | "
+            "compute alone us (carveout) | both us | shorter job hidden | comm hidden vs whole-device serial | note |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for row in overlap:
             t = row["extra"]
-            lines.append(f"| {row['tokens']} | {row['sm_budget']} | {_cell(t['comm_us'])} | "
-                         f"{_cell(t['gemm_whole_us'])} | {_cell(t['gemm_us'])} | {_cell(t['both_us'])} | "
-                         f"{100 * t['hidden']:.0f}% | {100 * t['hidden_vs_whole']:.0f}% | {row['note']} |")
+            lines.append(f"| {row['layout']} | {row['tokens']} | {row['sm_budget']} | {_cell(t['comm_us'])} | "
+                         f"{_cell(t['step_us'])} | {_cell(t['compute_whole_us'])} | {_cell(t['compute_us'])} | "
+                         f"{_cell(t['both_us'])} | {100 * t['hidden']:.0f}% | {100 * t['hidden_vs_whole']:.0f}% | "
+                         f"{row['note']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -744,7 +799,8 @@ def write_results(rows: list[dict], meta: dict, out_dir: Path, name: str) -> lis
     for row in rows:
         if (row["routing"] == "uniform" and "sweep" not in row["mode"] and row["system"] != "overlap"
                 and row["total_us"] is not None):
-            lines.setdefault(f"{row['system']} ({row['mode']})", []).append((row["tokens"], row["total_us"]))
+            label = " ".join(part for part in (row["system"], row["layout"], f"({row['mode']})") if part)
+            lines.setdefault(label, []).append((row["tokens"], row["total_us"]))
     for label, points in sorted(lines.items()):
         points.sort()
         axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
@@ -803,13 +859,18 @@ def _parser() -> argparse.ArgumentParser:
                         help="leave the padding rows of the dispatch output unwritten (config zero_padding: "
                              "false, for inference with aligned segments)")
     parser.add_argument("--sweep-budget", type=int, nargs="*", default=[],
-                        help=f"sm_budget values to time at T = {' '.join(map(str, defaults.sweep_tokens))}")
+                        help=f"sm_budget values to time at T = {' '.join(map(str, defaults.sweep_tokens))}, "
+                             "in every receive layout")
     parser.add_argument("--sweep-senders", type=int, nargs="+", default=[], metavar="NUM_SENDERS",
                         help="num_senders values to time at each --sweep-budget value (with several "
                              "ranks: at one, dispatch runs no senders)")
     parser.add_argument("--overlap", type=int, nargs="*", default=None, metavar="BUDGET",
                         help="time dispatch+combine beside a GEMM on another stream at these sm_budget values "
-                             f"(default with no values: 132 64 24 16 8 4), T = {defaults.overlap_tokens}")
+                             f"(default with no values: 132 64 24 16 8 4), T = {defaults.overlap_tokens}, "
+                             "in every receive layout")
+    parser.add_argument("--receive-layout", choices=RECEIVE_LAYOUTS, default=defaults.receive_layout,
+                        help="the config's receive_layout of the workloads' rows (default "
+                             f"{defaults.receive_layout}); --sweep-budget and --overlap time every layout")
     parser.add_argument("--fp8", action="store_true",
                         help="also time FP8 dispatch (dispatch_dtype float8_e4m3fn) on every workload and at "
                              "every --sweep-budget / --sweep-senders point; needs a hidden that is a multiple of 128")
@@ -833,7 +894,7 @@ def _options(args: argparse.Namespace, gpus: int) -> BenchOptions:
         zero_padding=not args.no_zero_padding, budget_sweep=tuple(args.sweep_budget),
         sender_sweep=tuple(args.sweep_senders),
         overlap_budgets=_OVERLAP_BUDGETS if args.overlap == [] else tuple(args.overlap or ()),
-        dtype="bfloat16" if gpus else "float32", fp8=args.fp8,
+        dtype="bfloat16" if gpus else "float32", fp8=args.fp8, receive_layout=args.receive_layout,
     )
 
 
