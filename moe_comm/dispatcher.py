@@ -86,7 +86,10 @@ class TokenMajorOutput:
         others (experts of other ranks, no expert, dropped over ``expert_capacity``).
     topk_weights: ``[W * M, K]`` float32, the router weight of each entry (meaningful where ``topk_idx >= 0``);
         differentiable with respect to dispatch's ``topk_weights`` (:meth:`Dispatcher.unpermute` applies them).
-    expert_offsets, tokens_per_expert: ``[L]`` int32, the segments :meth:`Dispatcher.permute` lays out.
+    permuted_offsets, tokens_per_expert: ``[L]`` int32, the segments :meth:`Dispatcher.permute` lays out (its
+        output's ``expert_offsets``; named apart so that experts written for a :class:`DispatchOutput`,
+        which read ``out.x`` with ``out.expert_offsets``, raise on this one instead of reading token rows
+        as expert segments: permute first).
     handle: pass to :meth:`Dispatcher.combine` with :meth:`Dispatcher.unpermute`'s rows.
     rows: the rows as the kernels hold them: ``x`` itself, or with FP8 the packed rows ``[W * M,
         moe_comm.fp8.packed_row_bytes(H)]`` uint8.
@@ -96,12 +99,20 @@ class TokenMajorOutput:
     x: torch.Tensor
     topk_idx: torch.Tensor
     topk_weights: torch.Tensor
-    expert_offsets: torch.Tensor
+    permuted_offsets: torch.Tensor
     tokens_per_expert: torch.Tensor
     handle: DispatchHandle
     rows: torch.Tensor
     x_scales: Optional[torch.Tensor] = None
     quantized_from: Optional[torch.Tensor] = None
+
+    @property
+    def expert_offsets(self) -> torch.Tensor:
+        raise InputError(
+            "expert_offsets: a token-major dispatch output holds each arrived token once (x [W * M, H]), not rows "
+            "grouped by expert; call Dispatcher.permute(out) for the expert-major rows and their expert_offsets "
+            "(the config's receive_layout is token_major)"
+        )
 
 
 def _local_expert_ids(recv_pos: torch.Tensor, expert_offsets: torch.Tensor) -> torch.Tensor:
@@ -469,14 +480,15 @@ class Dispatcher:
         backend = self._live_backend()
         self._check_token_major("out", out)
         routing = out.handle.routing
+        segments = (out.permuted_offsets, out.tokens_per_expert)
         if torch.compiler.is_compiling():
-            rows = ops.permute(self._id, out.rows, routing, out.expert_offsets, out.tokens_per_expert)
+            rows = ops.permute(self._id, out.rows, routing, *segments)
         elif torch.is_grad_enabled() and out.rows.requires_grad:
-            rows = permute_with_grad(backend, out.rows, routing, out.expert_offsets, out.tokens_per_expert)
+            rows = permute_with_grad(backend, out.rows, routing, *segments)
         else:
-            rows = backend.permute(out.rows, routing, out.expert_offsets, out.tokens_per_expert)
+            rows = backend.permute(out.rows, routing, *segments)
         x, x_scales = (rows, None) if out.x_scales is None else fp8.unpack(rows, self.config.hidden)
-        return DispatchOutput(x, out.expert_offsets, out.tokens_per_expert, out.handle, x_scales, out.quantized_from)
+        return DispatchOutput(x, *segments, out.handle, x_scales, out.quantized_from)
 
     def unpermute(self, y: torch.Tensor, out: "TokenMajorOutput", *, weighted: bool = True) -> torch.Tensor:
         """Reduce the experts' rows to one row per arrived token: the rows :meth:`combine` takes (token-major).
@@ -504,7 +516,7 @@ class Dispatcher:
                     self.device, "float32")
         routing = out.handle.routing
         weights = out.topk_weights if weighted else None
-        segments = (out.expert_offsets, out.tokens_per_expert)
+        segments = (out.permuted_offsets, out.tokens_per_expert)
         if torch.compiler.is_compiling():
             return ops.unpermute(self._id, y, weights, routing, *segments)
         if torch.is_grad_enabled() and (y.requires_grad or (weights is not None and weights.requires_grad)):

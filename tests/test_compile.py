@@ -97,7 +97,7 @@ def _token_major_rank(rank: int, world_size: int) -> dict:
         recv_pos = out.handle.routing.recv_pos
         reports = [
             torch.library.opcheck(torch.ops.moe_comm.permute.default,
-                                  (out.x.clone().requires_grad_(), recv_pos, out.expert_offsets,
+                                  (out.x.clone().requires_grad_(), recv_pos, out.permuted_offsets,
                                    out.tokens_per_expert, ident)),
             torch.library.opcheck(torch.ops.moe_comm.unpermute.default,
                                   (torch.randn(disp.capacity_rows, HIDDEN, requires_grad=True), recv_pos,

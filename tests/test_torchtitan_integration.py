@@ -64,7 +64,7 @@ def _rank_layouts(rank: int, world: int) -> list[str]:
 def _rank_all(rank: int, world: int) -> dict:
     """Every multi-rank scenario in one spawn (starting ranks that import torchtitan costs seconds each)."""
     results = {"modules": _rank_modules(rank, world), "layouts": _rank_layouts(rank, world),
-               "errors": _rank_errors(rank, world), "shared": _rank_shared(rank, world)}
+               "errors": _rank_errors(rank, world), "shared": _rank_shared(rank, world), "fp8": _rank_fp8(rank, world)}
     # DeepSeek-V3 under torchtitan's full activation checkpointing: recomputed dispatches and combines.
     results["train"] = {flavour: {"ep2": train_ep(flavour, STEPS, BATCH * world, SEQ, torch.device("cpu"), MOE_COMM,
                                                   EXPERT_HIDDEN, activation_checkpointing=flavour == "deepseek_v3")}
@@ -207,6 +207,33 @@ def test_bad_input_gets_a_clear_error(ranks):
         assert "tokens in torch.bfloat16, but moe_comm moves float32 rows" in messages.get("dtype", ""), messages
         assert messages.get("closed", "").startswith("MoeCommError: this Dispatcher is closed"), messages
         assert "5 experts do not split over an EP mesh of 2" in messages.get("uneven", ""), messages
+
+
+def _rank_fp8(rank: int, world: int) -> dict:
+    """FP8 dispatch in both layouts: the experts get rows in the model's dtype (dequantized), and the rows' and
+    the scores' gradients come back."""
+    found = {}
+    for layout in ("expert_major", "token_major"):
+        config = {**MOE_COMM, "dispatch_dtype": "float8_e4m3fn", "receive_layout": layout}
+        dispatcher = MoECommTokenDispatcher.Config(num_experts=4, top_k=2, hidden_dim=128, num_max_tokens_per_rank=8,
+                                                   moe_comm_config=config).build()
+        dispatcher.wire_meshes(ep_mesh=ep_mesh())
+        gen = torch.Generator().manual_seed(rank)
+        x = torch.randn(8, 128, generator=gen, requires_grad=True)
+        scores = torch.rand(8, 2, generator=gen, requires_grad=True)
+        ids = torch.randint(0, 4, (8, 2), generator=gen)
+        rows, _, metadata = dispatcher.dispatch(x, scores, ids, torch.zeros(4, dtype=torch.int64))
+        z = dispatcher.combine(rows * 2, metadata, x)
+        z.sum().backward()
+        found[layout] = (rows.dtype, x.grad is not None and bool(x.grad.abs().sum() > 0), scores.grad is not None)
+        close_dispatchers()
+    return found
+
+
+def test_fp8_dispatch_hands_the_experts_rows_in_the_model_dtype(ranks):
+    for rank, found in enumerate(result["fp8"] for result in ranks):
+        assert found == {layout: (torch.float32, True, True) for layout in ("expert_major", "token_major")}, \
+            f"rank {rank}: {found}"
 
 
 def test_one_dispatcher_serves_every_layer(ranks):

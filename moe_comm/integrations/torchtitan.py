@@ -181,7 +181,9 @@ class MoECommTokenDispatcher(BaseEPTokenDispatcher):
         rows = expert_rows(dispatcher, out)
         offsets = rows.expert_offsets
         segment_rows = torch.diff(offsets, prepend=offsets.new_zeros(1))
-        return rows.x, segment_rows, out
+        # GroupedExperts multiplies rows in the model's dtype: FP8 dispatch's rows are dequantized (straight
+        # through for the gradient); otherwise the rows themselves.
+        return dispatcher.dequantize(rows), segment_rows, out
 
     def combine(self, routed_output_RD: torch.Tensor, metadata: Union[DispatchOutput, TokenMajorOutput, Any],
                 x_TD: torch.Tensor) -> torch.Tensor:
