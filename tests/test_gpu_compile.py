@@ -6,9 +6,9 @@ dynamo raises on any break; the CPU tests in ``test_compile.py`` count graphs an
 ``torch._dynamo.explain`` too); run through the traced graph (``aot_eager``) it gives eager's
 output and every gradient bit for bit; with ``mode="reduce-overhead"`` (Inductor records CUDA
 graphs and replays them) steps with new tokens give what Inductor's code gives without graphs; a
-compiled layer stays within bf16 rounding of eager. All of it in bf16 dispatch and in FP8 dispatch
+compiled layer stays within bf16 rounding of eager. All of it in bf16 dispatch, in FP8 dispatch
 (``dispatch_dtype: float8_e4m3fn``: its dispatch and straight-through dequantization are custom
-ops too), one after the other in the same ranks.
+ops too) and in the token-major layout (permute, unpermute), one after the other in the same ranks.
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ pytestmark = pytest.mark.gpu
 
 HIDDEN, FFN, TOKENS = 256, 128, 64
 STEPS = 4  # reduce-overhead: the first calls warm up and record, the later ones replay
-DISPATCH_DTYPES = (None, "float8_e4m3fn")  # None: the config dtype (bf16)
+# (dispatch_dtype, receive_layout): bf16 and FP8 dispatch (None: the config dtype, bf16), and the token-major
+# layout, whose permute and unpermute are custom ops too.
+VARIANTS = ((None, "expert_major"), ("float8_e4m3fn", "expert_major"), (None, "token_major"))
 
 
 class _TwoMoeBlocks(torch.nn.Module):
@@ -54,10 +56,11 @@ def _errors(want: list, got: list) -> float:
 
 
 def _configs() -> list:
-    """The config of each of DISPATCH_DTYPES, in its order."""
+    """The config of each of VARIANTS, in its order."""
     return [moe_comm.load_config(None, backend="vmm", num_experts=8, topk=2, hidden=HIDDEN, max_tokens_per_rank=TOKENS,
-                                 dtype="bfloat16", expert_alignment=16, dispatch_dtype=dispatch_dtype)
-            for dispatch_dtype in DISPATCH_DTYPES]
+                                 dtype="bfloat16", expert_alignment=16, dispatch_dtype=dispatch_dtype,
+                                 receive_layout=layout)
+            for dispatch_dtype, layout in VARIANTS]
 
 
 def _compiled_against_eager(rank: int, cfg: moe_comm.Config) -> dict:
@@ -93,20 +96,20 @@ def _compiled_against_eager(rank: int, cfg: moe_comm.Config) -> dict:
 
 
 def _rank_main(rank: int, world: int) -> dict:
-    return {str(dtype): _compiled_against_eager(rank, cfg) for dtype, cfg in zip(DISPATCH_DTYPES, _configs())}
+    return {str(variant): _compiled_against_eager(rank, cfg) for variant, cfg in zip(VARIANTS, _configs())}
 
 
 # The ops are the same at any world size and world 2 exchanges tokens, so one spawn at world 2
-# compiles both dispatch dtypes (the compiles dominate the test's time; a second spawn repeated them).
+# compiles every variant (the compiles dominate the test's time; a second spawn repeated them).
 @pytest.mark.kernels.with_args(_configs)
 def test_compiled_model_on_gpu_equals_eager(requires_gpus):
     world = 2
     gpus = requires_gpus(gpus_needed("vmm", world))
     per_rank = run_ranks(_rank_main, world, dist_backend=dist_backend_for(world, gpus), gpu=True, timeout_s=300)
     for rank, results in enumerate(per_rank):
-        assert sorted(results) == sorted(str(d) for d in DISPATCH_DTYPES), f"rank {rank}: {results}"
-        for dtype, result in results.items():
-            where = f"rank {rank}, dispatch_dtype {dtype}: {result}"
+        assert sorted(results) == sorted(str(v) for v in VARIANTS), f"rank {rank}: {results}"
+        for variant, result in results.items():
+            where = f"rank {rank}, (dispatch_dtype, receive_layout) {variant}: {result}"
             assert result["aot_eager"] == 0.0, where
             assert result["reduce_overhead"] < 1e-3, where
             # bf16 rounding of Inductor's fused kernels against eager's (measured 1.6e-2 on one H200).
