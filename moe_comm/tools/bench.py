@@ -474,9 +474,11 @@ def _measure_overlap(options: BenchOptions, work: _Workload, group, sm_budget: i
     """The communication kernels (dispatch+combine, one CUDA graph) on a communication stream beside the
     compute stream's work, both issued together: each alone, both, and the share of the communication hidden.
 
-    The compute stream's work is a bf16 GEMM and, token-major, the permute and unpermute of an earlier
-    dispatch's rows (identity experts between them): the guide's recipe, where they run on the compute
-    stream with every SM, like the experts' GEMMs. The GEMM leaves the budget's SMs to the communication
+    The compute stream's work is a bf16 GEMM and, token-major, after it the permute and unpermute of an
+    earlier dispatch's rows (identity experts between them): the guide's recipe, where they run on the
+    compute stream with every SM, like the experts' GEMMs. The GEMM comes first, so the communication runs
+    beside it: the permute and unpermute are bound by HBM as the communication kernels are, and beside
+    them it hides little (one H200, T=4096, 24 SMs: 39% with them first; docs/performance.md). The GEMM leaves the budget's SMs to the communication
     (:func:`moe_comm.gemm_sm_carveout`, as overlapped schedules must: cuBLAS's default path takes every
     SM). Two shares: ``hidden``, of the shorter job against both run one after the other with the same
     carveout, ``(comm + compute - both) / min(comm, compute)``, and ``hidden_vs_whole``, of the
@@ -502,9 +504,9 @@ def _measure_overlap(options: BenchOptions, work: _Workload, group, sm_budget: i
         comm = torch.cuda.Stream(device)
 
         def compute() -> None:
+            torch.mm(a, b)
             if local_graph is not None:
                 local_graph.replay()
-            torch.mm(a, b)
 
         def both() -> None:
             compute_stream = torch.cuda.current_stream()
@@ -526,7 +528,7 @@ def _measure_overlap(options: BenchOptions, work: _Workload, group, sm_budget: i
     shorter = min(times["comm_us"], times["compute_us"])
     times["hidden"] = (times["comm_us"] + times["compute_us"] - times["both_us"]) / shorter
     times["hidden_vs_whole"] = (times["comm_us"] + times["compute_whole_us"] - times["both_us"]) / times["comm_us"]
-    local = " after the permute and unpermute" if cfg.token_major else ""
+    local = ", then the permute and unpermute" if cfg.token_major else ""
     note = _with_late_note(f"GEMM {size}^3 bf16{local}, cuBLASLt leaving {sm_budget} SMs", timer.late_share)
     return Row(system="overlap", mode="graph", tokens=work.static[0].shape[0], routing="uniform", layout=receive_layout,
                total_us=times["both_us"], step_us=times["step_us"], num_senders=options.num_senders,
@@ -762,7 +764,7 @@ def markdown_table(rows: list[dict]) -> str:
     if overlap:
         lines += [
             "", "Overlap: dispatch+combine (one graph) on a communication stream beside the compute stream's work: "
-            "a GEMM (token-major: after the permute and unpermute of an earlier step)",
+            "a GEMM (token-major: then the permute and unpermute of an earlier step)",
             "", "| layout | T | sm_budget | comm alone us | whole step alone us | compute alone us (whole device) | "
             "compute alone us (carveout) | both us | shorter job hidden | comm hidden vs whole-device serial | note |",
             "|---|---|---|---|---|---|---|---|---|---|---|",
