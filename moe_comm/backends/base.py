@@ -138,14 +138,16 @@ class Backend(abc.ABC):
 
         Each kept entry's row is its slab row's; with the config's ``zero_padding`` the segments' padding
         rows (``expert_offsets``, ``tokens_per_expert [L]`` int32) are zeros; rows at or past
-        ``expert_offsets[-1]`` are unspecified. Bitwise what an expert-major dispatch writes.
+        ``expert_offsets[-1]`` are unspecified. Bitwise what an expert-major dispatch writes. Reads only
+        ``routing.recv_pos`` of the routing (the custom ops pass nothing else).
         """
 
     @abc.abstractmethod
     def unpermute(self, y: torch.Tensor, routing: Routing, weights: Optional[torch.Tensor]) -> torch.Tensor:
         """Expert-major rows ``y [capacity_rows, H]`` (config dtype) -> ``[W * M, H]``: each slab row with a kept
         entry gets ``dtype(sum over kept k, increasing, of w_k * y[recv_pos[g, k]])`` in float32 (the partial
-        an expert-major combine sends; ``weights [W * M, K]`` float32, None for 1); other rows unspecified."""
+        an expert-major combine sends; ``weights [W * M, K]`` float32, None for 1); other rows unspecified.
+        Reads only ``routing.recv_pos`` of the routing."""
 
     @abc.abstractmethod
     def return_entry_values(self, row_vector: torch.Tensor, routing: Routing) -> torch.Tensor:

@@ -103,6 +103,14 @@ def _addresses(routing) -> kernels.RoutingAddresses:
                                     routing.recv_pos.data_ptr(), routing.recv_weight.data_ptr())
 
 
+def _recv_pos_address(routing) -> int:
+    """Device address of a routing's ``recv_pos`` (permute and unpermute read nothing else of it: the custom ops
+    hand them a ``Routing`` of that tensor alone)."""
+    if isinstance(routing, PackedRouting):
+        return routing.addresses.recv_pos
+    return routing.recv_pos.data_ptr()
+
+
 def _separate_outputs(num_tokens: int, world: int, max_tokens_per_rank: int, topk: int, num_local_experts: int,
                       device: torch.device) -> tuple:
     """``expert_offsets``, ``tokens_per_expert [L]`` int32 and a ``Routing``, each tensor its own allocation.
@@ -362,13 +370,12 @@ class DeviceBackend(Backend):
     def permute(self, rows: torch.Tensor, routing: Routing, expert_offsets: torch.Tensor,
                 tokens_per_expert: torch.Tensor) -> torch.Tensor:
         out = kernels.empty_rows(self.capacity_rows, rows.shape[1], rows.dtype, self.device)
-        self._permute_kernels.permute(rows, _addresses(routing).recv_pos, expert_offsets, tokens_per_expert, out)
+        self._permute_kernels.permute(rows, _recv_pos_address(routing), expert_offsets, tokens_per_expert, out)
         return out
 
     def unpermute(self, y: torch.Tensor, routing: Routing, weights: Optional[torch.Tensor]) -> torch.Tensor:
         out = kernels.empty_rows(self.num_slab_rows, self.config.hidden, self.dtype, self.device)
-        self._permute_kernels.unpermute(y, _addresses(routing).recv_pos, 0 if weights is None else weights.data_ptr(),
-                                        out)
+        self._permute_kernels.unpermute(y, _recv_pos_address(routing), 0 if weights is None else weights.data_ptr(), out)
         return out
 
     def combine(self, y: torch.Tensor, routing: Routing, weighted: bool = True) -> torch.Tensor:
