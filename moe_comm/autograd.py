@@ -27,8 +27,8 @@ import torch
 from .routing import Routing, row_values, scatter_entry_values
 from .backends.base import Backend, DispatchResult
 
-__all__ = ["dispatch_with_grad", "received_weights", "combine_with_grad", "combine_backward", "expert_row_grads", "straight_through_rows",
-           "permute_with_grad", "unpermute_with_grad"]
+__all__ = ["dispatch_with_grad", "received_weights", "combine_with_grad", "combine_backward", "expert_row_grads",
+           "straight_through_rows", "permute_with_grad", "unpermute_with_grad"]
 
 
 def kernel_rows(rows: torch.Tensor) -> torch.Tensor:
@@ -236,7 +236,8 @@ class _Unpermute(torch.autograd.Function):
         y, weights = ctx.saved_tensors
         backend, routing = ctx.backend, ctx.routing
         spread = backend.permute(kernel_rows(grad_partials), routing, *ctx.segments)
-        entry_weights = torch.ones_like(routing.recv_weight) if weights is None else weights.view(routing.recv_pos.shape)
+        shape = routing.recv_pos.shape
+        entry_weights = torch.ones(shape, device=y.device) if weights is None else weights.view(shape)
         grad_y, row_dot = expert_row_grads(spread, y, routing.recv_pos, entry_weights)
         if weights is None:
             return grad_y, None, None, None, None, None

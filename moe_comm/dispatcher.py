@@ -276,7 +276,7 @@ class Dispatcher:
         return (site * 64 + batch_slice) % protocol.CALL_TAG_LIMIT
 
     def dispatch(self, x: Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]], topk_idx: torch.Tensor,
-                 topk_weights: torch.Tensor, *, call_tag: int = 0) -> Union[DispatchOutput, "TokenMajorOutput"]:
+                 topk_weights: torch.Tensor, *, call_tag: int = 0) -> Union[DispatchOutput, TokenMajorOutput]:
         """Send every token to the ranks holding its experts and lay the rows out expert-major.
 
         Args:
@@ -328,7 +328,7 @@ class Dispatcher:
 
     def _token_major_output(self, result, handle: DispatchHandle, rows: torch.Tensor, weights: Optional[torch.Tensor],
                             x_scales: Optional[torch.Tensor] = None,
-                            quantized_from: Optional[torch.Tensor] = None) -> "TokenMajorOutput":
+                            quantized_from: Optional[torch.Tensor] = None) -> TokenMajorOutput:
         """A token-major dispatch's output: ``rows`` (``result.x``, or FP8's packed rows), ``result.x`` as ``x``
         (FP8: the e4m3 view, with ``x_scales``), the local expert ids, and the received weights (``weights``
         when autograd recorded them already)."""
@@ -462,7 +462,7 @@ class Dispatcher:
             return rows
         return straight_through_rows(self._live_backend(), quantized_from, rows, out.handle.routing)
 
-    def permute(self, out: "TokenMajorOutput") -> DispatchOutput:
+    def permute(self, out: TokenMajorOutput) -> DispatchOutput:
         """The expert-major rows of a token-major dispatch (the config's ``receive_layout`` ``token_major``).
 
         Local (no rank takes part), on the current stream with every SM of the device (``sm_budget`` bounds
@@ -490,7 +490,7 @@ class Dispatcher:
         x, x_scales = (rows, None) if out.x_scales is None else fp8.unpack(rows, self.config.hidden)
         return DispatchOutput(x, *segments, out.handle, x_scales, out.quantized_from)
 
-    def unpermute(self, y: torch.Tensor, out: "TokenMajorOutput", *, weighted: bool = True) -> torch.Tensor:
+    def unpermute(self, y: torch.Tensor, out: TokenMajorOutput, *, weighted: bool = True) -> torch.Tensor:
         """Reduce the experts' rows to one row per arrived token: the rows :meth:`combine` takes (token-major).
 
         Local, on the current stream with every SM: for each row ``g`` of ``out.x`` with a kept entry,
@@ -518,7 +518,7 @@ class Dispatcher:
         weights = out.topk_weights if weighted else None
         segments = (out.permuted_offsets, out.tokens_per_expert)
         if torch.compiler.is_compiling():
-            return ops.unpermute(self._id, y, weights, routing, *segments)
+            return ops.unpermute(self._id, y, weights, routing)
         if torch.is_grad_enabled() and (y.requires_grad or (weights is not None and weights.requires_grad)):
             return unpermute_with_grad(backend, y, weights, routing, *segments)
         return backend.unpermute(y, routing, weights)

@@ -404,8 +404,6 @@ def permute(dispatcher_id: int, rows: Tensor, routing: Routing, expert_offsets: 
     return torch.ops.moe_comm.permute(rows, routing.recv_pos, expert_offsets, tokens_per_expert, dispatcher_id)
 
 
-def unpermute(dispatcher_id: int, y: Tensor, weights: Optional[Tensor], routing: Routing, expert_offsets: Tensor,
-              tokens_per_expert: Tensor) -> Tensor:
+def unpermute(dispatcher_id: int, y: Tensor, weights: Optional[Tensor], routing: Routing) -> Tensor:
     """``Backend.unpermute`` through the custom op (differentiable in ``y`` and ``weights``)."""
-    del expert_offsets, tokens_per_expert  # unpermute reads only the entries' rows
     return torch.ops.moe_comm.unpermute(y, routing.recv_pos, weights, dispatcher_id)

@@ -300,7 +300,8 @@ def _compiled_fp8_rank(rank: int, world_size: int) -> dict:
         def token_major_step(x, topk_idx, topk_weights):
             out = disp.dispatch(x, topk_idx, topk_weights)
             rows = disp.permute(out)
-            return disp.combine(disp.unpermute(disp.dequantize(rows) * scale, out), out.handle), rows.x.view(torch.uint8)
+            z = disp.combine(disp.unpermute(disp.dequantize(rows) * scale, out), out.handle)
+            return z, rows.x.view(torch.uint8)
 
         eager = run(token_major_step)
         explain = torch._dynamo.explain(token_major_step)(x, topk_idx, topk_weights)

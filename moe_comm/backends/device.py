@@ -375,7 +375,8 @@ class DeviceBackend(Backend):
 
     def unpermute(self, y: torch.Tensor, routing: Routing, weights: Optional[torch.Tensor]) -> torch.Tensor:
         out = kernels.empty_rows(self.num_slab_rows, self.config.hidden, self.dtype, self.device)
-        self._permute_kernels.unpermute(y, _recv_pos_address(routing), 0 if weights is None else weights.data_ptr(), out)
+        weights_address = 0 if weights is None else weights.data_ptr()
+        self._permute_kernels.unpermute(y, _recv_pos_address(routing), weights_address, out)
         return out
 
     def combine(self, y: torch.Tensor, routing: Routing, weighted: bool = True) -> torch.Tensor:
