@@ -14,7 +14,7 @@ abort word; the other backends need a GPU per rank. Scenarios, each a spawn:
   bitwise right with the two-batch recipe (``sm_budget`` at most half the SMs each);
 * fault injection: 200 steps (eager, then graph replays), in some of which a random rank skips its
   dispatch or its combine, or arrives late (within or past ``timeout_s``); every step's result is
-  bitwise a clean Dispatcher's or ``check()`` raises on every rank that holds it.
+  bitwise a clean Dispatcher's or ``check()`` raises on every rank that holds it; in both receive layouts.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import moe_comm
 from capture import warm_up_on_side_stream
 from gpu_backends import GPU_BACKENDS, dist_backend_for, gpus_needed
 from moe_comm.errors import RankFailureError
+from moe_comm.nn.receive_layout import combine_rows, expert_rows
 from moe_comm.tools.spawn import run_ranks as spawn_ranks
 from multirank import close_pool, run_ranks
 
@@ -56,20 +57,20 @@ def _config(name: str, section: dict, **overrides):
 
 
 def _device_configs(backend_id: str) -> list:
-    """The configs whose kernel builds the ranks here load (hidden, topk and dtype fix a build)."""
+    """The configs whose kernel builds the ranks here load (hidden, topk, dtype and layout fix a build)."""
     name, section = GPU_BACKENDS[backend_id]
-    return [_config(name, section)]
+    return [_config(name, section, receive_layout=layout) for layout in ("expert_major", "token_major")]
 
 
 def _gpus(backend_id: str, requires_gpus) -> int:
     return requires_gpus(gpus_needed(backend_id, 2))
 
 
-def _spawn(backend_id: str, fn, requires_gpus, timeout_s: float) -> list:
-    """Run ``fn`` on the 2 kept ranks of ``backend_id`` (skips without the GPUs)."""
+def _spawn(backend_id: str, fn, requires_gpus, timeout_s: float, *args) -> list:
+    """Run ``fn(rank, world, name, section, *args)`` on the 2 kept ranks of ``backend_id`` (skips without the GPUs)."""
     gpus = _gpus(backend_id, requires_gpus)
     name, section = GPU_BACKENDS[backend_id]
-    return run_ranks(fn, 2, name, section, reuse=backend_id, dist_backend=dist_backend_for(2, gpus), gpu=True,
+    return run_ranks(fn, 2, name, section, *args, reuse=backend_id, dist_backend=dist_backend_for(2, gpus), gpu=True,
                      timeout_s=timeout_s)
 
 
@@ -82,9 +83,14 @@ def _inputs(seed: int, device):
 
 
 def _step(disp, x, idx, w) -> torch.Tensor:
-    """dispatch -> identity experts (times 2, so a row combined without passing the experts shows) -> combine."""
+    """dispatch -> identity experts (times 2, so a row combined without passing the experts shows) -> combine
+    (token-major: the experts between permute and unpermute)."""
     out = disp.dispatch(x, idx, w)
-    return disp.combine(out.x * 2, out.handle)
+    return _combine_doubled(disp, out)
+
+
+def _combine_doubled(disp, out) -> torch.Tensor:
+    return disp.combine(combine_rows(disp, expert_rows(disp, out).x * 2, out), out.handle)
 
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
@@ -271,11 +277,11 @@ def _plan(step: int) -> tuple:
     return rng.choice(("skip", "late", "later")), rng.randrange(2), rng.choice(("dispatch", "combine"))
 
 
-def _fault_injection(rank: int, world: int, name: str, section: dict) -> dict:
+def _fault_injection(rank: int, world: int, name: str, section: dict, layout: str) -> dict:
     gloo = dist.new_group(backend="gloo")
     device = torch.device("cuda", torch.cuda.current_device())
-    clean = moe_comm.Dispatcher(_config(name, section))
-    faulty = moe_comm.Dispatcher(_config(name, section))
+    clean = moe_comm.Dispatcher(_config(name, section, receive_layout=layout))
+    faulty = moe_comm.Dispatcher(_config(name, section, receive_layout=layout))
     x, idx, w = _inputs(rank, device)
     tally = {"right": 0, "reported": 0, "skipped": 0, "wrong_unreported": 0}
 
@@ -287,7 +293,7 @@ def _fault_injection(rank: int, world: int, name: str, section: dict) -> dict:
             return None
         if fault in ("late", "later") and phase == "combine":
             time.sleep(0.3 * TIMEOUT_S if fault == "late" else 1.5 * TIMEOUT_S)
-        return faulty.combine(out.x * 2, out.handle)
+        return _combine_doubled(faulty, out)
 
     graph_step = {}
 
@@ -338,11 +344,13 @@ def _fault_injection(rank: int, world: int, name: str, section: dict) -> dict:
     return tally
 
 
+# Token-major: the same protocol in other builds (one row per slab row), with local permute/unpermute between.
+@pytest.mark.parametrize("layout", ["expert_major", "token_major"])
 @pytest.mark.parametrize("backend_id", DEVICE_BACKENDS)
 @pytest.mark.kernels.with_args(_device_configs)
-def test_fault_injection_never_returns_a_wrong_number_unreported(backend_id, requires_gpus):
-    per_rank = _spawn(backend_id, _fault_injection, requires_gpus, timeout_s=540)
-    print(f"{backend_id}: fault injection, per rank: {per_rank}")
+def test_fault_injection_never_returns_a_wrong_number_unreported(backend_id, layout, requires_gpus):
+    per_rank = _spawn(backend_id, _fault_injection, requires_gpus, 540, layout)
+    print(f"{backend_id} {layout}: fault injection, per rank: {per_rank}")
     for tally in per_rank:
         assert tally["wrong_unreported"] == 0, per_rank
         assert tally["right"] >= FAULT_STEPS // 2, per_rank  # most steps are clean
