@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Callable
 
-from ..backend_table import ENTRIES, BackendEntry
+from ..backend_table import BackendEntry
 from ..errors import BackendError
 
 if TYPE_CHECKING:
