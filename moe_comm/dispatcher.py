@@ -277,7 +277,7 @@ class Dispatcher:
 
     def dispatch(self, x: Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]], topk_idx: torch.Tensor,
                  topk_weights: torch.Tensor, *, call_tag: int = 0) -> Union[DispatchOutput, TokenMajorOutput]:
-        """Send every token to the ranks holding its experts and lay the rows out expert-major.
+        """Send every token to the ranks holding its experts and lay the rows out (the config's ``receive_layout``).
 
         Args:
             x: ``[T, H]`` tokens, ``T <= max_tokens_per_rank``, the config dtype, contiguous, on ``self.device``.
