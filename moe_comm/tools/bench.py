@@ -478,9 +478,9 @@ def _measure_overlap(options: BenchOptions, work: _Workload, group, sm_budget: i
     earlier dispatch's rows (identity experts between them): the guide's recipe, where they run on the
     compute stream with every SM, like the experts' GEMMs. The GEMM comes first, so the communication runs
     beside it: the permute and unpermute are bound by HBM as the communication kernels are, and beside
-    them it hides little (one H200, T=4096, 24 SMs: 39% with them first; docs/performance.md). The GEMM leaves the budget's SMs to the communication
-    (:func:`moe_comm.gemm_sm_carveout`, as overlapped schedules must: cuBLAS's default path takes every
-    SM). Two shares: ``hidden``, of the shorter job against both run one after the other with the same
+    them it hides little (one H200, T=4096, 24 SMs: 39% with them first; docs/performance.md). The GEMM
+    leaves the budget's SMs to the communication (:func:`moe_comm.gemm_sm_carveout`, as overlapped
+    schedules must: cuBLAS's default path takes every SM). Two shares: ``hidden``, of the shorter job against both run one after the other with the same
     carveout, ``(comm + compute - both) / min(comm, compute)``, and ``hidden_vs_whole``, of the
     communication against the serial schedule on the whole device, ``(comm + compute_whole - both) / comm``
     (what overlapping saves over not overlapping at all). 1: fully hidden, 0: serial, < 0: slower.
