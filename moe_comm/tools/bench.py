@@ -480,10 +480,11 @@ def _measure_overlap(options: BenchOptions, work: _Workload, group, sm_budget: i
     beside it: the permute and unpermute are bound by HBM as the communication kernels are, and beside
     them it hides little (one H200, T=4096, 24 SMs: 39% with them first; docs/performance.md). The GEMM
     leaves the budget's SMs to the communication (:func:`moe_comm.gemm_sm_carveout`, as overlapped
-    schedules must: cuBLAS's default path takes every SM). Two shares: ``hidden``, of the shorter job against both run one after the other with the same
-    carveout, ``(comm + compute - both) / min(comm, compute)``, and ``hidden_vs_whole``, of the
-    communication against the serial schedule on the whole device, ``(comm + compute_whole - both) / comm``
-    (what overlapping saves over not overlapping at all). 1: fully hidden, 0: serial, < 0: slower.
+    schedules must: cuBLAS's default path takes every SM). Two shares: ``hidden``, of the shorter job
+    against both run one after the other with the same carveout, ``(comm + compute - both) / min(comm,
+    compute)``, and ``hidden_vs_whole``, of the communication against the serial schedule on the whole
+    device, ``(comm + compute_whole - both) / comm`` (what overlapping saves over not overlapping at all).
+    1: fully hidden, 0: serial, < 0: slower.
     ``step_us``: the whole step (dispatch, identity experts, combine) alone at this budget.
     """
     device = work.static[0].device
