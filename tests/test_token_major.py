@@ -126,6 +126,8 @@ def _wrong_calls(rank: int, world: int) -> None:
     out_tm = tm.dispatch(x, idx, w)
     with pytest.raises(moe_comm.InputError, match="out: expected the TokenMajorOutput"):
         tm.permute(out_em)
+    with pytest.raises(moe_comm.InputError, match="expert_offsets: a token-major dispatch output"):
+        out_tm.expert_offsets  # code written for expert-major rows fails instead of reading token rows as segments
     permuted = tm.permute(out_tm)
     with pytest.raises(moe_comm.InputError, match=rf"y: expected shape \[{world * MAX_TOKENS}, {HIDDEN}\]"):
         tm.combine(permuted.x, out_tm.handle)  # expert-major rows where the reduced rows go
@@ -134,6 +136,30 @@ def _wrong_calls(rank: int, world: int) -> None:
     tm.combine(tm.unpermute(permuted.x, out_tm), out_tm.handle)  # the calls stay paired on every rank
     em.close()
     tm.close()
+
+
+def _unkept_rows(rank: int, world: int) -> None:
+    """Combine reads nothing of a reduced row without a kept entry (unpermute leaves it unspecified): NaN there
+    changes no bit of z, also for tokens whose every entry was dropped over the capacity."""
+    tm = moe_comm.Dispatcher(_config(receive_layout="token_major", expert_capacity=1))
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(MAX_TOKENS, HIDDEN, generator=generator)
+    idx = torch.topk(torch.rand(MAX_TOKENS, NUM_EXPERTS, generator=generator), TOPK).indices
+    w = torch.rand(MAX_TOKENS, TOPK, generator=generator)
+    out = tm.dispatch(x, idx, w)
+    reduced = tm.unpermute(tm.permute(out).x, out)
+    unkept = (out.topk_idx < 0).all(dim=1)
+    assert bool(unkept.any()), "every slab row kept an entry: the scenario tests nothing"
+    z = tm.combine(reduced, out.handle)
+    z_nan = tm.combine(torch.where(unkept[:, None], float("nan"), reduced), out.handle)
+    assert torch.equal(z, z_nan)
+    with pytest.raises(moe_comm.DeviceStatusError, match="dropped over expert_capacity=1"):
+        tm.check()
+    tm.close()
+
+
+def test_reduced_rows_without_a_kept_entry_are_never_read():
+    run_ranks(_unkept_rows, 2, timeout_s=120)
 
 
 def test_wrong_calls_name_the_layout():
