@@ -290,7 +290,8 @@ class Dispatcher:
             call_tag: an int in ``[0, 4096)`` that the paired call of every rank must carry too (calls pair
                 up by their order; the library's layers pass :meth:`call_tag` of their layer and batch
                 slice): a call that meets a peer's call of another tag fails on every rank, reported by
-                :meth:`check`, instead of summing another layer's rows. Not checked under torch.compile.
+                :meth:`check`, instead of summing another layer's rows (compiled graphs too: the tag is an
+                argument of the custom op).
 
         Returns:
             A :class:`DispatchOutput`; differentiable with respect to ``x`` (FP8 dispatch: through
@@ -301,12 +302,12 @@ class Dispatcher:
         """
         backend = self._live_backend()
         cfg = self.config
+        if isinstance(call_tag, bool) or not isinstance(call_tag, int) or not 0 <= call_tag < protocol.CALL_TAG_LIMIT:
+            raise InputError(f"call_tag: expected an int in [0, {protocol.CALL_TAG_LIMIT}), got {call_tag!r}")
         if not torch.compiler.is_compiling():
-            if isinstance(call_tag, bool) or not isinstance(call_tag, int) or not 0 <= call_tag < protocol.CALL_TAG_LIMIT:
-                raise InputError(f"call_tag: expected an int in [0, {protocol.CALL_TAG_LIMIT}), got {call_tag!r}")
-            backend.call_tag = call_tag
+            backend.call_tag = call_tag  # a compiled graph hands it to the op instead
         if cfg.dispatch_dtype is not None:
-            return self._dispatch_fp8(backend, x, topk_idx, topk_weights)
+            return self._dispatch_fp8(backend, x, topk_idx, topk_weights, call_tag)
         if isinstance(x, tuple):
             raise InputError("x: a (x_fp8, x_scales) pair is dispatched only with the config's dispatch_dtype set "
                              f"(float8_e4m3fn); this config dispatches {cfg.dtype} rows")
@@ -314,7 +315,7 @@ class Dispatcher:
         self._check_routing(x.shape[0], topk_idx, topk_weights)
         weights = None
         if torch.compiler.is_compiling():
-            result = ops.dispatch(self._id, x, topk_idx, topk_weights)
+            result = ops.dispatch(self._id, x, topk_idx, topk_weights, call_tag)
         elif torch.is_grad_enabled() and (x.requires_grad or (cfg.token_major and topk_weights.requires_grad)):
             result, weights = dispatch_with_grad(backend, x, topk_idx, topk_weights)
         else:
@@ -351,7 +352,8 @@ class Dispatcher:
         _check_rows("topk_idx", topk_idx, num_tokens, cfg.topk, _INDEX_DTYPES, self.device, "int32 or int64")
         _check_rows("topk_weights", topk_weights, num_tokens, cfg.topk, (torch.float32,), self.device, "float32")
 
-    def _dispatch_fp8(self, backend, x, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> DispatchOutput:
+    def _dispatch_fp8(self, backend, x, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                      call_tag: int) -> Union[DispatchOutput, TokenMajorOutput]:
         """FP8 dispatch: ``x`` quantized (or given as ``(x_fp8, x_scales)``), moved as packed rows, unpacked as views."""
         cfg = self.config
         if isinstance(x, tuple):
@@ -373,7 +375,7 @@ class Dispatcher:
         if torch.compiler.is_compiling():
             # Token-major: the op's received weights carry the router weights' gradient (unpermute applies them).
             weights = topk_weights if cfg.token_major else topk_weights.detach()
-            result = ops.dispatch_fp8(self._id, x.detach(), x_scales, topk_idx, weights)
+            result = ops.dispatch_fp8(self._id, x.detach(), x_scales, topk_idx, weights, call_tag)
         else:
             result = backend.dispatch_fp8(x, x_scales, topk_idx, topk_weights)
         out_x, out_scales = fp8.unpack(result.x, cfg.hidden)

@@ -59,11 +59,11 @@ def _backend(dispatcher_id: int) -> Backend:
     return backend
 
 
-def _untagged(dispatcher_id: int) -> Backend:
-    """The backend for a compiled dispatch, whose call carries tag 0: the Dispatcher sets a call's tag on
-    the host, which a compiled graph does not run (tags are checked between eager and captured calls)."""
+def _tagged(dispatcher_id: int, call_tag: int) -> Backend:
+    """The backend for a compiled dispatch whose call carries ``call_tag``: an argument of the op, so a
+    compiled graph holds each call site's tag as a constant (the Dispatcher checked its range)."""
     backend = _backend(dispatcher_id)
-    backend.call_tag = 0
+    backend.call_tag = call_tag
     return backend
 
 
@@ -76,17 +76,17 @@ def _routing(send_mask: Tensor, dest_rank: Tensor, recv_pos: Tensor, recv_weight
 
 @torch.library.custom_op("moe_comm::dispatch", mutates_args=())
 def _dispatch_op(
-    x: Tensor, topk_idx: Tensor, topk_weights: Tensor, dispatcher_id: int
+    x: Tensor, topk_idx: Tensor, topk_weights: Tensor, dispatcher_id: int, call_tag: int
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns ``out.x``, ``expert_offsets``, ``tokens_per_expert`` and the routing's four tensors."""
-    result = _untagged(dispatcher_id).dispatch(kernel_rows(x), topk_idx, topk_weights, separate_outputs=True)
+    result = _tagged(dispatcher_id, call_tag).dispatch(kernel_rows(x), topk_idx, topk_weights, separate_outputs=True)
     routing = result.routing
     return (result.x, result.expert_offsets, result.tokens_per_expert, routing.send_mask, routing.dest_rank,
             routing.recv_pos, routing.recv_weight)
 
 
 @_dispatch_op.register_fake
-def _dispatch_fake(x, topk_idx, topk_weights, dispatcher_id):
+def _dispatch_fake(x, topk_idx, topk_weights, dispatcher_id, call_tag):
     backend = _backend(dispatcher_id)
     cfg = backend.config
     tokens = x.shape[0]
@@ -147,15 +147,16 @@ def _weights_grad_to_assignments(ctx, grad_weights: Optional[Tensor]) -> Optiona
 def _dispatch_backward(ctx, grad_rows, *grads):
     # The rows' gradients come in the layout dispatch returned (token-major rows need no unpermute).
     grad_x = _unweighted_combine(ctx, grad_rows)
-    return grad_x, None, _weights_grad_to_assignments(ctx, grads[-1]), None
+    return grad_x, None, _weights_grad_to_assignments(ctx, grads[-1]), None, None
 
 
 torch.library.register_autograd("moe_comm::dispatch", _dispatch_backward, setup_context=_dispatch_setup)
 
 
-def dispatch(dispatcher_id: int, x: Tensor, topk_idx: Tensor, topk_weights: Tensor) -> DispatchResult:
+def dispatch(dispatcher_id: int, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, call_tag: int) -> DispatchResult:
     """``Backend.dispatch`` of dispatcher ``dispatcher_id`` through the custom op (differentiable in ``x``)."""
-    out_x, offsets, counts, *routing = torch.ops.moe_comm.dispatch(x, topk_idx, topk_weights, dispatcher_id)
+    out_x, offsets, counts, *routing = torch.ops.moe_comm.dispatch(x, topk_idx, topk_weights, dispatcher_id,
+                                                                   call_tag)
     return DispatchResult(out_x, offsets, counts, _routing(*routing))
 
 
@@ -164,7 +165,7 @@ def dispatch(dispatcher_id: int, x: Tensor, topk_idx: Tensor, topk_weights: Tens
 
 @torch.library.custom_op("moe_comm::dispatch_fp8", mutates_args=())
 def _dispatch_fp8_op(
-    x: Tensor, x_scales: Optional[Tensor], topk_idx: Tensor, topk_weights: Tensor, dispatcher_id: int
+    x: Tensor, x_scales: Optional[Tensor], topk_idx: Tensor, topk_weights: Tensor, dispatcher_id: int, call_tag: int
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """FP8 dispatch of config-dtype ``x`` (``x_scales`` None) or of the pair ``(x, x_scales)``: the packed
     output rows ``[capacity_rows, packed_row_bytes(H)]`` uint8, then what ``dispatch`` returns after ``out.x``.
@@ -172,16 +173,16 @@ def _dispatch_fp8_op(
     Not differentiable: the gradient reaches ``x`` through :func:`dequantize_fp8` (straight through).
     """
     scales = None if x_scales is None else x_scales.contiguous()
-    result = _untagged(dispatcher_id).dispatch_fp8(kernel_rows(x), scales, topk_idx, topk_weights,
-                                                   separate_outputs=True)
+    result = _tagged(dispatcher_id, call_tag).dispatch_fp8(kernel_rows(x), scales, topk_idx, topk_weights,
+                                                           separate_outputs=True)
     routing = result.routing
     return (result.x, result.expert_offsets, result.tokens_per_expert, routing.send_mask, routing.dest_rank,
             routing.recv_pos, routing.recv_weight)
 
 
 @_dispatch_fp8_op.register_fake
-def _dispatch_fp8_fake(x, x_scales, topk_idx, topk_weights, dispatcher_id):
-    rows, *rest = _dispatch_fake(x, topk_idx, topk_weights, dispatcher_id)
+def _dispatch_fp8_fake(x, x_scales, topk_idx, topk_weights, dispatcher_id, call_tag):
+    rows, *rest = _dispatch_fake(x, topk_idx, topk_weights, dispatcher_id, call_tag)
     packed = x.new_empty((rows.shape[0], packed_row_bytes(rows.shape[1])), dtype=torch.uint8)
     return (packed, *rest)
 
@@ -192,17 +193,17 @@ def _dispatch_fp8_setup(ctx, inputs, output) -> None:
 
 def _dispatch_fp8_backward(ctx, *grads):
     # The rows reach x through dequantize_fp8 (straight through); only token-major weights have a gradient here.
-    return None, None, None, _weights_grad_to_assignments(ctx, grads[-1]), None
+    return None, None, None, _weights_grad_to_assignments(ctx, grads[-1]), None, None
 
 
 torch.library.register_autograd("moe_comm::dispatch_fp8", _dispatch_fp8_backward, setup_context=_dispatch_fp8_setup)
 
 
 def dispatch_fp8(dispatcher_id: int, x: Tensor, x_scales: Optional[Tensor], topk_idx: Tensor,
-                 topk_weights: Tensor) -> DispatchResult:
+                 topk_weights: Tensor, call_tag: int) -> DispatchResult:
     """FP8 dispatch through the custom op; ``result.x`` holds the packed rows (``moe_comm.fp8.unpack``)."""
     packed, offsets, counts, *routing = torch.ops.moe_comm.dispatch_fp8(x, x_scales, topk_idx, topk_weights,
-                                                                         dispatcher_id)
+                                                                         dispatcher_id, call_tag)
     return DispatchResult(packed, offsets, counts, _routing(*routing))
 
 

@@ -156,6 +156,31 @@ def test_calls_of_different_layers_fail_on_every_rank():
     assert run_ranks(_layers_in_different_orders, 2, timeout_s=60) == ["ok", "ok"]
 
 
+def _compiled_calls_of_different_tags(rank: int, world: int) -> str:
+    cfg = moe_comm.load_config(None, backend="reference", dtype="float32", **BASE)
+    x = torch.randn(8, cfg.hidden, generator=torch.Generator().manual_seed(rank))
+    idx = torch.zeros(8, cfg.topk, dtype=torch.int64)
+    w = torch.ones(8, cfg.topk)
+    with moe_comm.Dispatcher(cfg) as disp:
+        def step(x, call_tag):
+            out = disp.dispatch(x, idx, w, call_tag=call_tag)
+            return disp.combine(out.x, out.handle)
+
+        compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+        compiled(x, 7)  # in step: both ranks' graphs carry tag 7
+        disp.check()
+        compiled(x, 7 + rank)  # another call site's graph on rank 1: the tags differ
+        with pytest.raises(moe_comm.GroupFailedError, match=rf"call tag {7 + rank}\) met a call of another layer"):
+            disp.check()
+        disp.reset()
+    return "ok"
+
+
+def test_compiled_calls_of_different_tags_fail_on_every_rank():
+    # The tag is an argument of the custom op, so a compiled graph carries each call site's own.
+    assert run_ranks(_compiled_calls_of_different_tags, 2, timeout_s=120) == ["ok", "ok"]
+
+
 def test_abort_word_decoding():
     word = protocol.ABORT_RAISED | protocol.TIMEOUT_TO_SOURCE_ARRIVAL << 32 | protocol.ABORT_NO_PEER << 16 | 5
     report = protocol.decode_abort(word - (1 << 64))  # as an int64 status field reads on the host

@@ -35,8 +35,8 @@ def _opcheck_rank(rank: int, world_size: int) -> list[dict]:
     x, topk_idx, topk_weights = _inputs(rank)
     with moe_comm.Dispatcher(_config()) as disp:
         ident = disp._id
-        reports = [torch.library.opcheck(torch.ops.moe_comm.dispatch.default, (x, topk_idx, topk_weights, ident))]
-        out_x, _, _, *routing = torch.ops.moe_comm.dispatch(x.detach(), topk_idx, topk_weights.detach(), ident)
+        reports = [torch.library.opcheck(torch.ops.moe_comm.dispatch.default, (x, topk_idx, topk_weights, ident, 0))]
+        out_x, _, _, *routing = torch.ops.moe_comm.dispatch(x.detach(), topk_idx, topk_weights.detach(), ident, 0)
         y = out_x.clone().requires_grad_()
         reports.append(torch.library.opcheck(torch.ops.moe_comm.combine.default,
                                              (y, topk_weights, *routing, ident, True)))
@@ -259,11 +259,11 @@ def _compiled_fp8_rank(rank: int, world_size: int) -> dict:
         # for e4m3 on the CPU: the ops taking e4m3 inputs run the other tests.
         without_schema = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
         reports = [torch.library.opcheck(torch.ops.moe_comm.dispatch_fp8.default,
-                                         (x.detach(), None, topk_idx, topk_weights.detach(), ident)),
+                                         (x.detach(), None, topk_idx, topk_weights.detach(), ident, 0)),
                    torch.library.opcheck(torch.ops.moe_comm.dispatch_fp8.default,
-                                         (*pair, topk_idx, topk_weights.detach(), ident), test_utils=without_schema)]
+                                         (*pair, topk_idx, topk_weights.detach(), ident, 0), test_utils=without_schema)]
         packed, offsets, _, *routing = torch.ops.moe_comm.dispatch_fp8(x.detach(), None, topk_idx,
-                                                                       topk_weights.detach(), ident)
+                                                                       topk_weights.detach(), ident, 0)
         rows_fp8, rows_scales = moe_comm.fp8.unpack(packed, FP8_HIDDEN)
         reports.append(torch.library.opcheck(torch.ops.moe_comm.dequantize_fp8.default,
                                              (rows_fp8, rows_scales, offsets[-1:], x, *routing, ident),
