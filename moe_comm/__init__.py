@@ -4,7 +4,8 @@ The names users need live here; everything else is in the submodules.
 """
 
 from .config import Config, RouterConfig, load_config
-from .dispatcher import Dispatcher, DispatchHandle, DispatchOutput, TokenMajorOutput
+from .dispatcher import Dispatcher
+from .outputs import DispatchHandle, DispatchOutput, TokenMajorOutput
 from .nn.layer import MoELayer, MoEWeights, moe_aux_loss, update_expert_biases
 from .nn.overlap import gemm_sm_carveout
 from .fp8 import dequantize, quantize

@@ -25,7 +25,7 @@ FLOORS = {
     # 2, symmetric memory and the backends (transports).
     "moe_comm.symm": 2, "moe_comm.backends": 2,
     # 3, the public API.
-    "moe_comm.dispatcher": 3, "moe_comm.ops": 3, "moe_comm.autograd": 3,
+    "moe_comm.dispatcher": 3, "moe_comm.outputs": 3, "moe_comm.ops": 3, "moe_comm.autograd": 3,
     # 4, the MoE layer and its parts.
     "moe_comm.nn": 4, "moe_comm": 4,
     # 5, integrations with model libraries.

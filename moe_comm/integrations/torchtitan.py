@@ -29,7 +29,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import Config, load_config
-from ..dispatcher import Dispatcher, DispatchOutput, TokenMajorOutput
+from ..dispatcher import Dispatcher
+from ..outputs import DispatchOutput, TokenMajorOutput
 from ..errors import ConfigError, InputError
 from ..nn.experts import check_padding_for_gradients
 from ..nn.receive_layout import combine_rows, expert_rows

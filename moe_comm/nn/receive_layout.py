@@ -26,7 +26,8 @@ from typing import Union
 
 import torch
 
-from ..dispatcher import Dispatcher, DispatchOutput, TokenMajorOutput
+from ..dispatcher import Dispatcher
+from ..outputs import DispatchOutput, TokenMajorOutput
 
 __all__ = ["expert_rows", "combine_rows"]
 
