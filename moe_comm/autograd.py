@@ -164,20 +164,11 @@ def expert_row_grads(spread: torch.Tensor, y: torch.Tensor, recv_pos: torch.Tens
 
 def dispatch_with_grad(
     backend: Backend, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
-) -> tuple[DispatchResult, torch.Tensor]:
-    """``backend.dispatch`` recorded on the autograd tape: ``out.x`` is differentiable w.r.t. ``x`` (if it
-    requires grad).
-
-    Returns the result and the received weights ``[W * M, K]`` float32 (``routing.recv_weight``'s values):
-    in the token-major layout, whose unpermute applies them, differentiable w.r.t. ``topk_weights``.
-    """
+) -> DispatchResult:
+    """``backend.dispatch`` recorded on the autograd tape: ``out.x`` is differentiable w.r.t. ``x``."""
     results: list[DispatchResult] = []
-    if x.requires_grad:
-        rows, offsets, counts = _Dispatch.apply(x, backend, topk_idx, topk_weights, results)
-        result = DispatchResult(rows, offsets, counts, results[0].routing)
-    else:
-        result = backend.dispatch(x, topk_idx, topk_weights)
-    return result, received_weights(backend, topk_weights, result.routing)
+    rows, offsets, counts = _Dispatch.apply(x, backend, topk_idx, topk_weights, results)
+    return DispatchResult(rows, offsets, counts, results[0].routing)
 
 
 def received_weights(backend: Backend, topk_weights: torch.Tensor, routing: Routing) -> torch.Tensor:

@@ -218,30 +218,29 @@ class Dispatcher:
                              f"(float8_e4m3fn); this config dispatches {cfg.dtype} rows")
         _check_rows("x", x, None, cfg.hidden, (cfg.torch_dtype,), self.device, cfg.dtype, vector_rows=True)
         self._check_routing(x.shape[0], topk_idx, topk_weights)
-        weights = None
         if torch.compiler.is_compiling():
             result = ops.dispatch(self._id, x, topk_idx, topk_weights, call_tag)
-        elif torch.is_grad_enabled() and (x.requires_grad or (cfg.token_major and topk_weights.requires_grad)):
-            result, weights = dispatch_with_grad(backend, x, topk_idx, topk_weights)
+        elif torch.is_grad_enabled() and x.requires_grad:
+            result = dispatch_with_grad(backend, x, topk_idx, topk_weights)
         else:
             result = backend.dispatch(x, topk_idx, topk_weights)
         handle = DispatchHandle(self._id, result.routing, topk_weights)
         if cfg.check_every_step:
             self.check()
         if cfg.token_major:
-            return self._token_major_output(result, handle, result.x, weights)
+            return self._token_major_output(result, handle, result.x)
         return DispatchOutput(result.x, result.expert_offsets, result.tokens_per_expert, handle)
 
-    def _token_major_output(self, result, handle: DispatchHandle, rows: torch.Tensor, weights: Optional[torch.Tensor],
+    def _token_major_output(self, result, handle: DispatchHandle, rows: torch.Tensor,
                             x_scales: Optional[torch.Tensor] = None,
                             quantized_from: Optional[torch.Tensor] = None) -> TokenMajorOutput:
         """A token-major dispatch's output: ``rows`` (``result.x``, or FP8's packed rows), ``result.x`` as ``x``
-        (FP8: the e4m3 view, with ``x_scales``), the local expert ids, and the received weights (``weights``
-        when autograd recorded them already)."""
+        (FP8: the e4m3 view, with ``x_scales``), the local expert ids, and the received weights (differentiable
+        w.r.t. ``handle.topk_weights``: under torch.compile through the dispatch op's own autograd)."""
         routing = result.routing
-        if weights is None and torch.compiler.is_compiling():
-            weights = routing.recv_weight.view(self._backend.num_slab_rows, self.config.topk)  # the op's autograd
-        elif weights is None:
+        if torch.compiler.is_compiling():
+            weights = routing.recv_weight.view(self._backend.num_slab_rows, self.config.topk)
+        else:
             weights = received_weights(self._backend, handle.topk_weights, routing)
         return TokenMajorOutput(result.x, local_expert_ids(routing.recv_pos, result.expert_offsets), weights,
                                 result.expert_offsets, result.tokens_per_expert, handle, rows, x_scales,
@@ -289,7 +288,7 @@ class Dispatcher:
             self.check()
         if cfg.token_major:
             unpacked = dataclasses.replace(result, x=out_x)
-            return self._token_major_output(unpacked, handle, result.x, None, out_scales, quantized_from)
+            return self._token_major_output(unpacked, handle, result.x, out_scales, quantized_from)
         return DispatchOutput(out_x, result.expert_offsets, result.tokens_per_expert, handle, out_scales,
                               quantized_from)
 
