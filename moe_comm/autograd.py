@@ -28,7 +28,8 @@ from .routing import Routing, row_values, scatter_entry_values
 from .backends.base import Backend, DispatchResult
 
 __all__ = ["dispatch_with_grad", "received_weights", "combine_with_grad", "combine_backward", "expert_row_grads",
-           "straight_through_rows", "permute_with_grad", "unpermute_with_grad"]
+           "weights_grad_to_assignments", "unpermute_backward", "straight_through_rows", "permute_with_grad",
+           "unpermute_with_grad"]
 
 
 def kernel_rows(rows: torch.Tensor) -> torch.Tensor:
@@ -47,11 +48,17 @@ def _rows_grad_to_tokens(backend: Backend, grad_rows: torch.Tensor, routing: Rou
     return backend.combine(kernel_rows(grad_rows), routing, weighted=False)
 
 
-def _weights_grad_to_assignments(backend: Backend, grad_weights: torch.Tensor, routing: Routing) -> torch.Tensor:
-    """Token-major dispatch's backward for its received weights: ``grad_weights [W * M, K]`` float32 (the
-    destination's, per entry) back to the assignments of the sources, ``[T, K]`` float32."""
-    entries = grad_weights.reshape(routing.recv_pos.shape)
-    return backend.return_entry_values(row_values(routing.recv_pos, entries, backend.capacity_rows), routing)
+def weights_grad_to_assignments(grad_weights: Optional[torch.Tensor], recv_pos: torch.Tensor, capacity_rows: int,
+                                return_entry_values: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Token-major dispatch's backward for its received weights, for the eager path and the custom ops alike:
+    ``grad_weights [W * M, K]`` float32 (the destination's, per entry; None: zeros) back to the sources'
+    assignments, ``[T, K]`` float32. ``recv_pos``: ``[W, M, K]`` int32; ``return_entry_values`` returns a
+    ``[capacity_rows]`` float32 vector's value of every entry to its source (collective)."""
+    if grad_weights is None:
+        entries = torch.zeros(recv_pos.shape, dtype=torch.float32, device=recv_pos.device)
+    else:
+        entries = grad_weights.reshape(recv_pos.shape)
+    return return_entry_values(row_values(recv_pos, entries, capacity_rows))
 
 
 class _Dispatch(torch.autograd.Function):
@@ -81,7 +88,10 @@ class _ReceivedWeights(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_weights):
-        return _weights_grad_to_assignments(ctx.backend, grad_weights, ctx.routing), None, None
+        backend, routing = ctx.backend, ctx.routing
+        grad = weights_grad_to_assignments(grad_weights, routing.recv_pos, backend.capacity_rows,
+                                           lambda values: backend.return_entry_values(values, routing))
+        return grad, None, None
 
 
 class _StraightThrough(torch.autograd.Function):
@@ -226,14 +236,33 @@ class _Unpermute(torch.autograd.Function):
     def backward(ctx, grad_partials):
         y, weights = ctx.saved_tensors
         backend, routing = ctx.backend, ctx.routing
-        spread = backend.permute(kernel_rows(grad_partials), routing, *ctx.segments)
-        shape = routing.recv_pos.shape
-        entry_weights = torch.ones(shape, device=y.device) if weights is None else weights.view(shape)
-        grad_y, row_dot = expert_row_grads(spread, y, routing.recv_pos, entry_weights)
-        if weights is None:
-            return grad_y, None, None, None, None, None
-        grad_weights = scatter_entry_values(row_dot, routing.recv_pos).view(weights.shape)
+        grad_y, grad_weights = unpermute_backward(
+            grad_partials, y, weights, routing.recv_pos,
+            permute=lambda rows: backend.permute(kernel_rows(rows), routing, *ctx.segments),
+        )
         return grad_y, grad_weights, None, None, None, None
+
+
+def unpermute_backward(grad_partials: torch.Tensor, y: torch.Tensor, weights: Optional[torch.Tensor],
+                       recv_pos: torch.Tensor,
+                       permute: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The gradients of an unpermute, for the eager path and the custom ops alike.
+
+    Args:
+        grad_partials: ``[W * M, H]`` gradient of the reduced rows. y: ``[capacity_rows, H]`` the expert rows.
+        weights: ``[W * M, K]`` float32 the entries' weights, None for an unweighted unpermute.
+        recv_pos: ``[W, M, K]`` int32. permute: lays ``[W * M, H]`` rows out expert-major ``[capacity_rows, H]``
+            (padding rows need not be zero: they are masked).
+
+    Returns:
+        ``grad_y [capacity_rows, H]`` (y's dtype) and ``grad_weights [W * M, K]`` float32 (None unweighted).
+    """
+    spread = permute(grad_partials)
+    entry_weights = torch.ones(recv_pos.shape, device=y.device) if weights is None else weights.view(recv_pos.shape)
+    grad_y, row_dot = expert_row_grads(spread, y, recv_pos, entry_weights)
+    if weights is None:
+        return grad_y, None
+    return grad_y, scatter_entry_values(row_dot, recv_pos).view(weights.shape)
 
 
 def permute_with_grad(backend: Backend, rows: torch.Tensor, routing: Routing, expert_offsets: torch.Tensor,

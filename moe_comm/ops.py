@@ -27,11 +27,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .autograd import combine_backward, expert_row_grads, kernel_rows
+from .autograd import combine_backward, kernel_rows, unpermute_backward, weights_grad_to_assignments
 from .backends.base import Backend, DispatchResult
 from .errors import MoeCommError
 from .fp8 import packed_row_bytes
-from .routing import Routing, row_values, scatter_entry_values
+from .routing import Routing
 
 __all__ = ["register_backend", "unregister_backend", "dispatch", "combine", "dispatch_fp8", "dequantize_fp8",
            "permute", "unpermute"]
@@ -133,21 +133,21 @@ def _rows_grad_to_tokens(ctx, grad_rows: Tensor) -> Tensor:
     return _unweighted_combine(ctx, grad_rows)
 
 
-def _weights_grad_to_assignments(ctx, grad_weights: Optional[Tensor]) -> Optional[Tensor]:
+def _weights_grad_to_sources(ctx, grad_weights: Optional[Tensor]) -> Optional[Tensor]:
     """Token-major: the received weights' gradients ``[W * M, K]`` back to the sources' assignments ``[T, K]``."""
     if not ctx.token_major:
         return None
-    send_mask, dest_rank, recv_pos, recv_weight = ctx.saved_tensors
-    entries = torch.zeros_like(recv_weight) if grad_weights is None else grad_weights.reshape(recv_pos.shape)
-    row_vector = row_values(recv_pos, entries, _backend(ctx.dispatcher_id).capacity_rows)
-    return torch.ops.moe_comm.return_entry_values(row_vector, send_mask, dest_rank, recv_pos, recv_weight,
-                                                  ctx.dispatcher_id)
+    routing_tensors = ctx.saved_tensors
+    return weights_grad_to_assignments(
+        grad_weights, routing_tensors[2], _backend(ctx.dispatcher_id).capacity_rows,
+        lambda values: torch.ops.moe_comm.return_entry_values(values, *routing_tensors, ctx.dispatcher_id),
+    )
 
 
 def _dispatch_backward(ctx, grad_rows, *grads):
     # The rows' gradients come in the layout dispatch returned (token-major rows need no unpermute).
     grad_x = _unweighted_combine(ctx, grad_rows)
-    return grad_x, None, _weights_grad_to_assignments(ctx, grads[-1]), None, None
+    return grad_x, None, _weights_grad_to_sources(ctx, grads[-1]), None, None
 
 
 torch.library.register_autograd("moe_comm::dispatch", _dispatch_backward, setup_context=_dispatch_setup)
@@ -193,7 +193,7 @@ def _dispatch_fp8_setup(ctx, inputs, output) -> None:
 
 def _dispatch_fp8_backward(ctx, *grads):
     # The rows reach x through dequantize_fp8 (straight through); only token-major weights have a gradient here.
-    return None, None, None, _weights_grad_to_assignments(ctx, grads[-1]), None, None
+    return None, None, None, _weights_grad_to_sources(ctx, grads[-1]), None, None
 
 
 torch.library.register_autograd("moe_comm::dispatch_fp8", _dispatch_fp8_backward, setup_context=_dispatch_fp8_setup)
@@ -385,14 +385,13 @@ def _unpermute_setup(ctx, inputs, output) -> None:
 
 def _unpermute_backward(ctx, grad_partials):
     y, recv_pos, weights = ctx.saved_tensors
-    backend = _backend(ctx.dispatcher_id)
-    # Padding rows of the spread are masked below, so the segments permute would zero are not needed.
-    no_segments = recv_pos.new_zeros(backend.num_local_experts)
-    spread = torch.ops.moe_comm.permute(grad_partials.contiguous(), recv_pos, no_segments, no_segments,
-                                        ctx.dispatcher_id)
-    entry_weights = weights.view(recv_pos.shape) if ctx.weighted else torch.ones(recv_pos.shape, device=y.device)
-    grad_y, row_dot = expert_row_grads(spread, y, recv_pos, entry_weights)
-    grad_weights = scatter_entry_values(row_dot, recv_pos).view(weights.shape) if ctx.weighted else None
+    # The spread's padding rows are masked, so the segments permute would zero are not needed.
+    no_segments = recv_pos.new_zeros(_backend(ctx.dispatcher_id).num_local_experts)
+    grad_y, grad_weights = unpermute_backward(
+        grad_partials, y, weights if ctx.weighted else None, recv_pos,
+        permute=lambda rows: torch.ops.moe_comm.permute(rows.contiguous(), recv_pos, no_segments, no_segments,
+                                                        ctx.dispatcher_id),
+    )
     return grad_y, None, grad_weights, None
 
 
