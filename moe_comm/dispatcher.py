@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from . import fp8, ops, protocol
 from .agreement import agree
-from .outputs import DispatchHandle, DispatchOutput, TokenMajorOutput, local_expert_ids
+from .outputs import DispatchHandle, DispatchOutput, TokenMajorOutput
 from .protocol import StatusReport
 from .autograd import (combine_with_grad, dispatch_with_grad, permute_with_grad, received_weights,
                        straight_through_rows, unpermute_with_grad)
@@ -235,16 +235,15 @@ class Dispatcher:
                             x_scales: Optional[torch.Tensor] = None,
                             quantized_from: Optional[torch.Tensor] = None) -> TokenMajorOutput:
         """A token-major dispatch's output: ``rows`` (``result.x``, or FP8's packed rows), ``result.x`` as ``x``
-        (FP8: the e4m3 view, with ``x_scales``), the local expert ids, and the received weights (differentiable
+        (FP8: the e4m3 view, with ``x_scales``), and the received weights (differentiable
         w.r.t. ``handle.topk_weights``: under torch.compile through the dispatch op's own autograd)."""
         routing = result.routing
         if torch.compiler.is_compiling():
             weights = routing.recv_weight.view(self._backend.num_slab_rows, self.config.topk)
         else:
             weights = received_weights(self._backend, handle.topk_weights, routing)
-        return TokenMajorOutput(result.x, local_expert_ids(routing.recv_pos, result.expert_offsets), weights,
-                                result.expert_offsets, result.tokens_per_expert, handle, rows, x_scales,
-                                quantized_from)
+        return TokenMajorOutput(result.x, weights, result.expert_offsets, result.tokens_per_expert, handle, rows,
+                                x_scales, quantized_from)
 
     def _check_routing(self, num_tokens: int, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> None:
         cfg = self.config

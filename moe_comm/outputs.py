@@ -10,7 +10,7 @@ import torch
 from .errors import InputError
 from .routing import Routing
 
-__all__ = ["DispatchHandle", "DispatchOutput", "TokenMajorOutput", "local_expert_ids"]
+__all__ = ["DispatchHandle", "DispatchOutput", "TokenMajorOutput"]
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,8 @@ class TokenMajorOutput:
         own tokens are there too). With the config's ``dispatch_dtype``: e4m3, and ``x_scales``
         ``[W * M, H / 128]`` float32, both views of ``rows`` (as :class:`DispatchOutput`'s).
     topk_idx: ``[W * M, K]`` int32, the local expert (``[0, L)``) of each entry kept on this rank, -1 for the
-        others (experts of other ranks, no expert, dropped over ``expert_capacity``).
+        others (experts of other ranks, no expert, dropped over ``expert_capacity``). Computed on access from
+        the routing (two small kernels), so a step that only permutes does not run them.
     topk_weights: ``[W * M, K]`` float32, the router weight of each entry (meaningful where ``topk_idx >= 0``);
         differentiable with respect to dispatch's ``topk_weights`` (:meth:`Dispatcher.unpermute` applies them).
     permuted_offsets, tokens_per_expert: ``[L]`` int32, the segments :meth:`Dispatcher.permute` lays out (its
@@ -82,7 +83,6 @@ class TokenMajorOutput:
     """
 
     x: torch.Tensor
-    topk_idx: torch.Tensor
     topk_weights: torch.Tensor
     permuted_offsets: torch.Tensor
     tokens_per_expert: torch.Tensor
@@ -92,6 +92,13 @@ class TokenMajorOutput:
     quantized_from: Optional[torch.Tensor] = None
 
     @property
+    def topk_idx(self) -> torch.Tensor:
+        positions = self.handle.routing.recv_pos
+        positions = positions.reshape(-1, positions.shape[-1])
+        experts = torch.searchsorted(self.permuted_offsets, positions, right=True).to(torch.int32)
+        return torch.where(positions >= 0, experts, torch.full_like(experts, -1))
+
+    @property
     def expert_offsets(self) -> torch.Tensor:
         raise InputError(
             "expert_offsets: a token-major dispatch output holds each arrived token once (x [W * M, H]), not rows "
@@ -99,9 +106,3 @@ class TokenMajorOutput:
             "(the config's receive_layout is token_major)"
         )
 
-
-def local_expert_ids(recv_pos: torch.Tensor, expert_offsets: torch.Tensor) -> torch.Tensor:
-    """``[W * M, K]`` int32: the local expert of each kept entry (the segment its row lies in), -1 elsewhere."""
-    positions = recv_pos.reshape(-1, recv_pos.shape[-1])
-    experts = torch.searchsorted(expert_offsets, positions, right=True).to(torch.int32)
-    return torch.where(positions >= 0, experts, torch.full_like(experts, -1))
